@@ -1,0 +1,716 @@
+"""Requests and traces: the one data model every source produces and every replay consumes.
+
+A :class:`Trace` is columnar. Per-request fields live in numpy arrays of length ``R``; the block keys of all
+prompts live in one flat int64 array cut by CSR offsets (``prompt_offsets[i]:prompt_offsets[i+1]`` are request
+``i``'s blocks), and likewise for the output blocks that become cacheable after decode. A million requests with
+tens of blocks each therefore cost a few hundred MB at most, and slicing is a view, not a copy of Python objects.
+
+Block keys are *prefix-chained*: a key stands for the whole prefix up to and including its block, as in vLLM
+(hash of parent hash and the block's tokens). Two requests share a key only if they share the whole prefix, so a
+lookup is "the longest run of leading keys that are cached". Sources whose ids are per-block content hashes
+(Bailian) pass them through :func:`chain_keys`; chaining already-chained ids (Mooncake) is harmless because the
+chaining map is injective on (parent, content) pairs up to 64-bit hash collisions, so every equality between keys
+is kept and none is added.
+
+Only full blocks are cache keys (vLLM caches full blocks only); ``prompt_tokens`` still counts the partial tail.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "AppType",
+    "LoadReport",
+    "Request",
+    "TokenType",
+    "Trace",
+    "TraceBuilder",
+    "TraceFormatError",
+    "chain_keys",
+    "chain_requests",
+    "concat",
+    "content_hash",
+    "token_blocks",
+    "load_trace_file",
+]
+
+FORMAT_NAME = "sae-trace"
+FORMAT_VERSION = 1
+
+
+class TokenType(enum.IntEnum):
+    """What a block's tokens are (the dominant type of its tokens)."""
+
+    SYSTEM = 0  # system prompt
+    TEMPLATE = 1  # tool schemas, instructions, shared templates
+    USER = 2  # user query
+    ASSISTANT = 3  # model response kept in the history
+    TOOL_OUTPUT = 4  # results returned by tools to an agent
+    REASONING = 5  # chain of thought; generated, but dropped from the next turn's history
+    UNKNOWN = 6
+
+
+class AppType(enum.IntEnum):
+    """What kind of application a request (its session) belongs to."""
+
+    SINGLE_TURN = 0  # one request, typically templated (API-style)
+    CHAT = 1  # multi-turn conversation with a human
+    AGENT = 2  # multi-turn tool-using agent session
+    UNKNOWN = 3
+
+
+N_TOKEN_TYPES = len(TokenType)
+N_APP_TYPES = len(AppType)
+
+
+class TraceFormatError(ValueError):
+    """A trace file or a trace's arrays are malformed; the message names the file, line and field."""
+
+    def __init__(self, reason: str, *, path: str | os.PathLike | None = None, line: int | None = None,
+                 field: str | None = None):
+        self.reason, self.path, self.line, self.field = reason, path, line, field
+        where = [str(path)] if path is not None else []
+        if line is not None:
+            where.append(f"line {line}")
+        if field is not None:
+            where.append(f"field '{field}'")
+        super().__init__(f"{', '.join(where)}: {reason}" if where else reason)
+
+    def located(self, path: str | os.PathLike | None = None, line: int | None = None) -> TraceFormatError:
+        """The same error with the file and line filled in (keeps what is already known)."""
+        return TraceFormatError(self.reason, path=self.path if self.path is not None else path,
+                                line=self.line if self.line is not None else line, field=self.field)
+
+
+@dataclass
+class LoadReport:
+    """What a source did with its input: counted, never silent."""
+
+    source: str
+    path: str
+    rows_read: int = 0
+    rows_rejected: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)  # reason -> count
+    notes: list[str] = field(default_factory=list)  # heuristics used, re-orderings, dropped partial blocks, ...
+
+    def reject(self, reason: str, n: int = 1) -> None:
+        self.rows_rejected += n
+        self.rejected[reason] = self.rejected.get(reason, 0) + n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "path": self.path, "rows_read": self.rows_read,
+                "rows_rejected": self.rows_rejected, "rejected": dict(self.rejected), "notes": list(self.notes)}
+
+    def __str__(self) -> str:
+        lines = [f"{self.source}: {self.path}: {self.rows_read} rows read, {self.rows_rejected} rejected"]
+        lines += [f"  rejected ({n}): {why}" for why, n in sorted(self.rejected.items())]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hashing and prefix chaining
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_ROOT = np.uint64(0x2545F4914F6CDD1D)  # the "parent" of a prompt's first block
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection on uint64 with good avalanche."""
+    with np.errstate(over="ignore"):
+        x = x.copy()
+        x ^= x >> np.uint64(30)
+        x *= _M1
+        x ^= x >> np.uint64(27)
+        x *= _M2
+        x ^= x >> np.uint64(31)
+    return x
+
+
+def _combine(parent: np.ndarray, content: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return _mix64(_mix64(parent ^ _GOLDEN) + content.astype(np.uint64, copy=False) * _GOLDEN)
+
+
+def chain_keys(content_ids: np.ndarray, offsets: np.ndarray, salt: int = 0) -> np.ndarray:
+    """Turn per-block content ids into prefix-chained keys: ``key[j] = H(key[j-1], content[j])``.
+
+    ``content_ids`` is flat (int64 or uint64), cut into sequences by CSR ``offsets`` (length n_seq + 1).
+    ``salt`` separates key spaces (e.g. two sources mixed on one timeline). Keys are returned as int64 (a view of
+    the uint64 hashes). Equal prefixes give equal keys; different prefixes give different keys up to 64-bit
+    collisions. Vectorised over sequences: one numpy pass per block position.
+    """
+    content = np.asarray(content_ids).astype(np.uint64, copy=False).ravel()
+    offsets = np.asarray(offsets, dtype=np.int64)
+    if offsets.ndim != 1 or offsets.size == 0 or offsets[0] != 0 or offsets[-1] != content.size:
+        raise ValueError("offsets must be a CSR offset array starting at 0 and ending at len(content_ids)")
+    lengths = np.diff(offsets)
+    if (lengths < 0).any():
+        raise ValueError("offsets must be non-decreasing")
+    out = np.empty(content.size, dtype=np.uint64)
+    if content.size == 0:
+        return out.view(np.int64)
+    root = _mix64(np.array([_ROOT ^ np.uint64(salt & 0xFFFFFFFFFFFFFFFF)], dtype=np.uint64))[0]
+    # Sort sequences by length (descending) so that the ones still alive at position j are a prefix.
+    order = np.argsort(-lengths, kind="stable")
+    starts = offsets[:-1][order]
+    lens = lengths[order]
+    parent = np.full(order.size, root, dtype=np.uint64)
+    max_len = int(lens[0]) if lens.size else 0
+    alive = order.size
+    for j in range(max_len):
+        while alive and lens[alive - 1] <= j:
+            alive -= 1
+        idx = starts[:alive] + j
+        parent = _combine(parent[:alive], content[idx])
+        out[idx] = parent
+    return out.view(np.int64)
+
+
+def content_hash(rows: np.ndarray) -> np.ndarray:
+    """Hash each row of a 2-D integer array (e.g. the token ids of each block) into one uint64 content id."""
+    rows = np.asarray(rows)
+    if rows.ndim != 2:
+        raise ValueError("content_hash expects a 2-D array (blocks x tokens)")
+    h = np.full(rows.shape[0], np.uint64(rows.shape[1]), dtype=np.uint64)
+    cols = rows.astype(np.uint64, copy=False)
+    for c in range(rows.shape[1]):
+        h = _combine(h, cols[:, c])
+    return h
+
+
+def token_blocks(tokens: np.ndarray, types: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut a token sequence into its *full* blocks: per block a content id and the dominant TokenType.
+
+    The partial tail (``len(tokens) % block_size`` tokens) is dropped, as vLLM caches only full blocks. Ties
+    between types in a block go to the type of lower value (SYSTEM before USER before REASONING, ...).
+    """
+    tokens = np.asarray(tokens)
+    types = np.asarray(types, dtype=np.int8)
+    if tokens.shape != types.shape:
+        raise ValueError("tokens and types must have the same length")
+    nb = tokens.size // block_size
+    if nb == 0:
+        return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int8)
+    rows = tokens[: nb * block_size].reshape(nb, block_size)
+    trow = types[: nb * block_size].reshape(nb, block_size)
+    counts = np.zeros((nb, N_TOKEN_TYPES), dtype=np.int32)
+    for k in range(N_TOKEN_TYPES):
+        counts[:, k] = (trow == k).sum(axis=1)
+    return content_hash(rows), counts.argmax(axis=1).astype(np.int8)
+
+
+def chain_requests(seq_content: np.ndarray, seq_offsets: np.ndarray, n_prompt_blocks: np.ndarray,
+                   salt: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Chain each request's full sequence (prompt blocks then output blocks) and split it.
+
+    ``seq_content`` holds per-block content ids of every request's prompt followed by its output blocks (CSR
+    ``seq_offsets``); the first ``n_prompt_blocks[i]`` of request ``i`` are prompt blocks. Output keys continue the
+    prompt's chain, as the decoded tokens extend the same sequence in vLLM. Returns ``(prompt_keys,
+    prompt_offsets, output_keys, output_offsets)``.
+    """
+    seq_offsets = np.asarray(seq_offsets, dtype=np.int64)
+    n_prompt = np.asarray(n_prompt_blocks, dtype=np.int64)
+    lengths = np.diff(seq_offsets)
+    if (n_prompt > lengths).any() or (n_prompt < 0).any():
+        raise ValueError("n_prompt_blocks must lie between 0 and each sequence's length")
+    keys = chain_keys(seq_content, seq_offsets, salt=salt)
+    pos = np.arange(keys.size, dtype=np.int64) - np.repeat(seq_offsets[:-1], lengths)
+    is_prompt = pos < np.repeat(n_prompt, lengths)
+    return keys[is_prompt], _csr(n_prompt), keys[~is_prompt], _csr(lengths - n_prompt)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Requests and traces
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request, as a read-only view of a Trace row (for convenience, never on a hot path)."""
+
+    index: int
+    t: float  # arrival time, seconds on the trace clock
+    session: int  # session id, -1 if unknown
+    turn: int  # 1 = first request of its session
+    app: AppType
+    prompt_keys: np.ndarray  # int64 prefix-chained keys of the full prompt blocks
+    prompt_types: np.ndarray  # int8 TokenType of each prompt block
+    prompt_tokens: int  # prompt length in tokens, partial last block included
+    output_tokens: int
+    output_keys: np.ndarray  # keys of the output blocks that become cacheable after decode
+    output_types: np.ndarray
+    features: np.ndarray | None  # optional float32 features for learned components
+
+
+def _csr(lengths: np.ndarray) -> np.ndarray:
+    off = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=off[1:])
+    return off
+
+
+_REQ_FIELDS = ("t", "session", "turn", "app", "prompt_tokens", "output_tokens")
+
+
+class Trace:
+    """A sequence of requests in arrival order, stored column by column.
+
+    Columns (``R`` requests, ``B`` prompt blocks, ``O`` output blocks in total):
+
+    ===================  ============  ======================================================================
+    ``t``                float64 [R]   arrival time in seconds (trace clock), non-decreasing
+    ``session``          int64 [R]     session id (-1 = unknown / single request)
+    ``turn``             int32 [R]     turn within the session, 1 = first
+    ``app``              int8 [R]      :class:`AppType`
+    ``prompt_tokens``    int64 [R]     prompt length in tokens (including a partial last block)
+    ``output_tokens``    int64 [R]     generated tokens
+    ``prompt_offsets``   int64 [R+1]   CSR offsets into ``prompt_keys`` / ``prompt_types``
+    ``prompt_keys``      int64 [B]     prefix-chained keys of full prompt blocks
+    ``prompt_types``     int8 [B]      :class:`TokenType` per prompt block
+    ``output_offsets``   int64 [R+1]   CSR offsets into ``output_keys`` / ``output_types``
+    ``output_keys``      int64 [O]     keys of full blocks completed by decode (cacheable on completion)
+    ``output_types``     int8 [O]
+    ``features``         float32 [R,F] optional per-request features (or None)
+    ===================  ============  ======================================================================
+
+    ``block_size`` is the number of tokens per block; ``meta`` is a JSON-able dict (source, provenance, ...).
+    Construction validates shapes, dtypes and invariants and raises :class:`TraceFormatError` on violation.
+    """
+
+    __slots__ = ("t", "session", "turn", "app", "prompt_tokens", "output_tokens", "prompt_offsets", "prompt_keys",
+                 "prompt_types", "output_offsets", "output_keys", "output_types", "features", "block_size", "meta")
+
+    def __init__(self, *, t, session, turn, app, prompt_tokens, output_tokens, prompt_offsets, prompt_keys,
+                 prompt_types, output_offsets=None, output_keys=None, output_types=None, features=None,
+                 block_size: int, meta: dict[str, Any] | None = None, validate: bool = True):
+        self.t = np.ascontiguousarray(t, dtype=np.float64)
+        n = self.t.size
+        self.session = np.ascontiguousarray(session, dtype=np.int64)
+        self.turn = np.ascontiguousarray(turn, dtype=np.int32)
+        self.app = np.ascontiguousarray(app, dtype=np.int8)
+        self.prompt_tokens = np.ascontiguousarray(prompt_tokens, dtype=np.int64)
+        self.output_tokens = np.ascontiguousarray(output_tokens, dtype=np.int64)
+        self.prompt_offsets = np.ascontiguousarray(prompt_offsets, dtype=np.int64)
+        self.prompt_keys = np.ascontiguousarray(prompt_keys, dtype=np.int64)
+        self.prompt_types = np.ascontiguousarray(prompt_types, dtype=np.int8)
+        if output_offsets is None:
+            output_offsets = np.zeros(n + 1, dtype=np.int64)
+            output_keys = np.zeros(0, dtype=np.int64)
+            output_types = np.zeros(0, dtype=np.int8)
+        self.output_offsets = np.ascontiguousarray(output_offsets, dtype=np.int64)
+        self.output_keys = np.ascontiguousarray(output_keys, dtype=np.int64)
+        self.output_types = np.ascontiguousarray(output_types, dtype=np.int8)
+        self.features = None if features is None else np.ascontiguousarray(features, dtype=np.float32)
+        self.block_size = int(block_size)
+        self.meta = dict(meta or {})
+        if validate:
+            self.validate()
+
+    # -- invariants ------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise TraceFormatError if any column is inconsistent."""
+        n = self.t.size
+        for name in ("session", "turn", "app", "prompt_tokens", "output_tokens"):
+            if getattr(self, name).shape != (n,):
+                raise TraceFormatError(f"has shape {getattr(self, name).shape}, expected ({n},)", field=name)
+        if self.block_size <= 0:
+            raise TraceFormatError(f"must be positive, got {self.block_size}", field="block_size")
+        if not np.isfinite(self.t).all():
+            raise TraceFormatError("arrival times must be finite", field="t")
+        if n and (self.t < 0).any():
+            raise TraceFormatError("arrival times must be >= 0", field="t")
+        if n > 1 and (np.diff(self.t) < 0).any():
+            raise TraceFormatError("arrival times must be non-decreasing (sort the requests)", field="t")
+        if (self.turn < 1).any():
+            raise TraceFormatError("turn must be >= 1", field="turn")
+        if ((self.app < 0) | (self.app >= N_APP_TYPES)).any():
+            raise TraceFormatError("unknown AppType value", field="app")
+        if (self.prompt_tokens < 0).any() or (self.output_tokens < 0).any():
+            raise TraceFormatError("token counts must be >= 0", field="prompt_tokens/output_tokens")
+        for kind in ("prompt", "output"):
+            off = getattr(self, f"{kind}_offsets")
+            keys = getattr(self, f"{kind}_keys")
+            types = getattr(self, f"{kind}_types")
+            if off.shape != (n + 1,) or off[0] != 0 or off[-1] != keys.size or (np.diff(off) < 0).any():
+                raise TraceFormatError("offsets must be CSR (n+1 entries, from 0 to the number of keys, "
+                                       "non-decreasing)", field=f"{kind}_offsets")
+            if types.shape != keys.shape:
+                raise TraceFormatError("must have one entry per key", field=f"{kind}_types")
+            if types.size and ((types < 0) | (types >= N_TOKEN_TYPES)).any():
+                raise TraceFormatError("unknown TokenType value", field=f"{kind}_types")
+        full_blocks = self.prompt_tokens // self.block_size
+        if (np.diff(self.prompt_offsets) > full_blocks).any():
+            bad = int(np.flatnonzero(np.diff(self.prompt_offsets) > full_blocks)[0])
+            raise TraceFormatError(f"request {bad} has more prompt blocks than full blocks in "
+                                   f"{self.prompt_tokens[bad]} tokens", field="prompt_keys")
+        if self.features is not None and (self.features.ndim != 2 or self.features.shape[0] != n):
+            raise TraceFormatError("must be a 2-D array with one row per request", field="features")
+
+    # -- sizes and access ----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self.t.size)
+
+    @property
+    def n_blocks(self) -> int:
+        """Number of prompt block references."""
+        return int(self.prompt_keys.size)
+
+    @property
+    def n_output_blocks(self) -> int:
+        return int(self.output_keys.size)
+
+    @property
+    def duration(self) -> float:
+        return float(self.t[-1] - self.t[0]) if len(self) else 0.0
+
+    def distinct_blocks(self, include_outputs: bool = True) -> int:
+        keys = np.concatenate([self.prompt_keys, self.output_keys]) if include_outputs else self.prompt_keys
+        return int(np.unique(keys).size)
+
+    def prompt_blocks(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.prompt_offsets[i], self.prompt_offsets[i + 1]
+        return self.prompt_keys[a:b], self.prompt_types[a:b]
+
+    def output_blocks(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.output_offsets[i], self.output_offsets[i + 1]
+        return self.output_keys[a:b], self.output_types[a:b]
+
+    def request(self, i: int) -> Request:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"request index {i} out of range for a trace of {len(self)} requests")
+        i %= len(self)
+        pk, pt = self.prompt_blocks(i)
+        ok, ot = self.output_blocks(i)
+        return Request(index=i, t=float(self.t[i]), session=int(self.session[i]), turn=int(self.turn[i]),
+                       app=AppType(int(self.app[i])), prompt_keys=pk, prompt_types=pt,
+                       prompt_tokens=int(self.prompt_tokens[i]), output_tokens=int(self.output_tokens[i]),
+                       output_keys=ok, output_types=ot,
+                       features=None if self.features is None else self.features[i])
+
+    def __iter__(self) -> Iterator[Request]:
+        for i in range(len(self)):
+            yield self.request(i)
+
+    def __getitem__(self, item: slice) -> Trace:
+        if not isinstance(item, slice):
+            raise TypeError("index a Trace with a slice (trace[a:b]); use trace.request(i) for one request")
+        start, stop, step = item.indices(len(self))
+        if step != 1:
+            return self.take(np.arange(start, stop, step))
+        return self._range(start, max(start, stop))
+
+    def __repr__(self) -> str:
+        return (f"Trace({len(self)} requests, {self.n_blocks} prompt blocks, {self.n_output_blocks} output blocks, "
+                f"block_size={self.block_size}, {self.duration:.1f} s, source={self.meta.get('source', '?')})")
+
+    # -- slicing -------------------------------------------------------------------------------------------
+    def _range(self, a: int, b: int) -> Trace:
+        pa, pb = self.prompt_offsets[a], self.prompt_offsets[b]
+        oa, ob = self.output_offsets[a], self.output_offsets[b]
+        return Trace(t=self.t[a:b], session=self.session[a:b], turn=self.turn[a:b], app=self.app[a:b],
+                     prompt_tokens=self.prompt_tokens[a:b], output_tokens=self.output_tokens[a:b],
+                     prompt_offsets=self.prompt_offsets[a:b + 1] - pa, prompt_keys=self.prompt_keys[pa:pb],
+                     prompt_types=self.prompt_types[pa:pb], output_offsets=self.output_offsets[a:b + 1] - oa,
+                     output_keys=self.output_keys[oa:ob], output_types=self.output_types[oa:ob],
+                     features=None if self.features is None else self.features[a:b],
+                     block_size=self.block_size, meta=self.meta, validate=False)
+
+    def between(self, t0: float, t1: float) -> Trace:
+        """Requests with ``t0 <= t < t1`` (times on the trace clock, not rebased)."""
+        a, b = np.searchsorted(self.t, [t0, t1], side="left")
+        return self._range(int(a), int(b))
+
+    def take(self, idx: Sequence[int] | np.ndarray) -> Trace:
+        """The requests at the given indices, in that order (times must stay non-decreasing)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        p_len = np.diff(self.prompt_offsets)[idx]
+        o_len = np.diff(self.output_offsets)[idx]
+        p_sel = _gather(self.prompt_offsets, idx, p_len)
+        o_sel = _gather(self.output_offsets, idx, o_len)
+        return Trace(t=self.t[idx], session=self.session[idx], turn=self.turn[idx], app=self.app[idx],
+                     prompt_tokens=self.prompt_tokens[idx], output_tokens=self.output_tokens[idx],
+                     prompt_offsets=_csr(p_len), prompt_keys=self.prompt_keys[p_sel],
+                     prompt_types=self.prompt_types[p_sel], output_offsets=_csr(o_len),
+                     output_keys=self.output_keys[o_sel], output_types=self.output_types[o_sel],
+                     features=None if self.features is None else self.features[idx],
+                     block_size=self.block_size, meta=self.meta)
+
+    def with_times(self, t: np.ndarray) -> Trace:
+        """The same requests with new arrival times, re-sorted stably by time."""
+        t = np.asarray(t, dtype=np.float64)
+        if t.shape != self.t.shape:
+            raise ValueError(f"need {len(self)} times, got {t.shape}")
+        order = np.argsort(t, kind="stable")
+        out = self.take(order)
+        out.t = t[order]
+        out.validate()
+        return out
+
+    # -- equality and summaries ----------------------------------------------------------------------------
+    def equals(self, other: Trace) -> bool:
+        """Same requests, blocks, types, features and block size (``meta`` is not compared)."""
+        if not isinstance(other, Trace) or self.block_size != other.block_size:
+            return False
+        for name in _REQ_FIELDS + ("prompt_offsets", "prompt_keys", "prompt_types", "output_offsets",
+                                   "output_keys", "output_types"):
+            if not np.array_equal(getattr(self, name), getattr(other, name)):
+                return False
+        if (self.features is None) != (other.features is None):
+            return False
+        return self.features is None or np.array_equal(self.features, other.features)
+
+    def session_ids(self) -> np.ndarray:
+        """Session ids with unknown (-1) sessions made unique per request (negative ids, never clashing)."""
+        s = self.session.copy()
+        unknown = s < 0
+        s[unknown] = -1 - np.flatnonzero(unknown)
+        return s
+
+    # -- persistence ---------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write ``.npz`` (fast binary) or ``.jsonl`` (canonical text) according to the suffix; atomic."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        if path.suffix == ".npz":
+            arrays = {name: getattr(self, name) for name in _REQ_FIELDS + (
+                "prompt_offsets", "prompt_keys", "prompt_types", "output_offsets", "output_keys", "output_types")}
+            if self.features is not None:
+                arrays["features"] = self.features
+            header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "block_size": self.block_size,
+                      "meta": self.meta}
+            arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+            with open(tmp, "wb") as f:
+                np.savez(f, **arrays)
+        elif path.suffix == ".jsonl":
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION,
+                                    "block_size": self.block_size, "meta": self.meta}) + "\n")
+                for i in range(len(self)):
+                    pk, pt = self.prompt_blocks(i)
+                    ok, ot = self.output_blocks(i)
+                    row = {"t": float(self.t[i]), "session": int(self.session[i]), "turn": int(self.turn[i]),
+                           "app": AppType(int(self.app[i])).name.lower(),
+                           "prompt_tokens": int(self.prompt_tokens[i]),
+                           "output_tokens": int(self.output_tokens[i]),
+                           "prompt_keys": pk.tolist(), "prompt_types": pt.tolist(),
+                           "output_keys": ok.tolist(), "output_types": ot.tolist()}
+                    if self.features is not None:
+                        row["features"] = [float(x) for x in self.features[i]]
+                    f.write(json.dumps(row) + "\n")
+        else:
+            raise ValueError(f"{path}: unknown trace file suffix '{path.suffix}' (use .npz or .jsonl)")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Trace:
+        """Read a trace written by :meth:`save` (``.npz`` or ``.jsonl``)."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such trace file")
+        if path.suffix == ".npz":
+            return _load_npz(path)
+        if path.suffix == ".jsonl":
+            return _load_jsonl(path)
+        raise TraceFormatError(f"unknown trace file suffix '{path.suffix}' (use .npz or .jsonl)", path=path)
+
+
+def _gather(offsets: np.ndarray, idx: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Flat positions of the CSR rows ``idx`` (concatenated in that order)."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = offsets[idx]
+    row_start = np.repeat(starts - _csr(lengths)[:-1], lengths)
+    return row_start + np.arange(total, dtype=np.int64)
+
+
+def _load_npz(path: Path) -> Trace:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            data = {k: z[k] for k in z.files}
+    except Exception as e:  # noqa: BLE001 - np.load raises many kinds
+        raise TraceFormatError(f"not a readable .npz trace ({e})", path=path) from e
+    if "header" not in data:
+        raise TraceFormatError("missing header", path=path, field="header")
+    header = json.loads(bytes(data.pop("header")).decode())
+    if header.get("format") != FORMAT_NAME:
+        raise TraceFormatError(f"not a {FORMAT_NAME} file", path=path, field="format")
+    missing = [k for k in _REQ_FIELDS + ("prompt_offsets", "prompt_keys", "prompt_types") if k not in data]
+    if missing:
+        raise TraceFormatError(f"missing arrays {missing}", path=path)
+    try:
+        return Trace(**data, block_size=header["block_size"], meta=header.get("meta", {}))
+    except TraceFormatError as e:
+        raise e.located(path) from e
+
+
+def _load_jsonl(path: Path) -> Trace:
+    b = TraceBuilder(block_size=1)
+    with open(path, encoding="utf-8") as f:
+        first = f.readline()
+        if not first.strip():
+            raise TraceFormatError("empty file", path=path, line=1)
+        try:
+            header = json.loads(first)
+        except json.JSONDecodeError as e:
+            raise TraceFormatError(f"malformed JSON header ({e.msg})", path=path, line=1) from e
+        if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
+            raise TraceFormatError(f"not a {FORMAT_NAME} file (first line must be its header)", path=path, line=1)
+        b.block_size = int(header["block_size"])
+        b.meta = header.get("meta", {})
+        for lineno, line in enumerate(f, start=2):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceFormatError(f"malformed JSON ({e.msg})", path=path, line=lineno) from e
+            try:
+                app = row["app"]
+                app = AppType[app.upper()] if isinstance(app, str) else AppType(app)
+                b.add(t=_num(row, "t"), session=int(_num(row, "session")), turn=int(_num(row, "turn")), app=app,
+                      prompt_tokens=int(_num(row, "prompt_tokens")), output_tokens=int(_num(row, "output_tokens")),
+                      prompt_keys=_int_list(row, "prompt_keys"), prompt_types=_int_list(row, "prompt_types"),
+                      output_keys=_int_list(row, "output_keys", []), output_types=_int_list(row, "output_types", []),
+                      features=row.get("features"))
+            except KeyError as e:
+                raise TraceFormatError("missing", path=path, line=lineno, field=str(e.args[0])) from e
+            except TraceFormatError as e:
+                raise e.located(path, lineno) from e
+            except (TypeError, ValueError) as e:
+                raise TraceFormatError(f"bad value ({e})", path=path, line=lineno) from e
+    try:
+        return b.build()
+    except TraceFormatError as e:
+        raise e.located(path) from e
+
+
+def _num(row: dict, name: str) -> float:
+    v = row[name]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise TraceFormatError(f"must be a finite number, got {v!r}", field=name)
+    return v
+
+
+def _int_list(row: dict, name: str, default: list | None = None) -> list[int]:
+    v = row.get(name, default) if default is not None else row[name]
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise TraceFormatError("must be a list of integers", field=name)
+    return v
+
+
+class TraceBuilder:
+    """Accumulates requests row by row (loaders) and builds a validated :class:`Trace` once.
+
+    Rows may arrive out of time order; :meth:`build` sorts them stably by time and records how many were moved.
+    """
+
+    def __init__(self, block_size: int, meta: dict[str, Any] | None = None):
+        self.block_size = block_size
+        self.meta = dict(meta or {})
+        self._cols: dict[str, list] = {k: [] for k in _REQ_FIELDS}
+        self._pk: list[np.ndarray] = []
+        self._pt: list[np.ndarray] = []
+        self._ok: list[np.ndarray] = []
+        self._ot: list[np.ndarray] = []
+        self._feat: list[Any] = []
+        self.reordered = 0
+
+    def __len__(self) -> int:
+        return len(self._cols["t"])
+
+    def add(self, *, t: float, session: int, turn: int, app: int, prompt_tokens: int, output_tokens: int,
+            prompt_keys: Iterable[int] | np.ndarray, prompt_types: Iterable[int] | np.ndarray,
+            output_keys: Iterable[int] | np.ndarray = (), output_types: Iterable[int] | np.ndarray = (),
+            features: Sequence[float] | np.ndarray | None = None) -> None:
+        pk = np.asarray(prompt_keys, dtype=np.int64).ravel()
+        pt = np.asarray(prompt_types, dtype=np.int8).ravel()
+        ok = np.asarray(output_keys, dtype=np.int64).ravel()
+        ot = np.asarray(output_types, dtype=np.int8).ravel()
+        if pk.size != pt.size:
+            raise TraceFormatError(f"{pk.size} keys but {pt.size} types", field="prompt_types")
+        if ok.size != ot.size:
+            raise TraceFormatError(f"{ok.size} keys but {ot.size} types", field="output_types")
+        if not (t >= 0 and math.isfinite(t)):
+            raise TraceFormatError(f"must be finite and >= 0, got {t!r}", field="t")
+        for name, v in (("t", t), ("session", session), ("turn", turn), ("app", int(app)),
+                        ("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
+            self._cols[name].append(v)
+        self._pk.append(pk)
+        self._pt.append(pt)
+        self._ok.append(ok)
+        self._ot.append(ot)
+        self._feat.append(features)
+
+    def build(self) -> Trace:
+        n = len(self)
+        t = np.asarray(self._cols["t"], dtype=np.float64)
+        order = np.argsort(t, kind="stable")
+        self.reordered = int((order != np.arange(n)).sum())
+        feats = None
+        if n and any(f is not None for f in self._feat):
+            if any(f is None for f in self._feat):
+                raise TraceFormatError("either every request has features or none does", field="features")
+            feats = np.asarray(self._feat, dtype=np.float32)
+
+        def cat(parts: list[np.ndarray], dtype) -> np.ndarray:
+            return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
+
+        trace = Trace(
+            t=t, session=self._cols["session"], turn=self._cols["turn"], app=self._cols["app"],
+            prompt_tokens=self._cols["prompt_tokens"], output_tokens=self._cols["output_tokens"],
+            prompt_offsets=_csr(np.array([a.size for a in self._pk], dtype=np.int64)),
+            prompt_keys=cat(self._pk, np.int64), prompt_types=cat(self._pt, np.int8),
+            output_offsets=_csr(np.array([a.size for a in self._ok], dtype=np.int64)),
+            output_keys=cat(self._ok, np.int64), output_types=cat(self._ot, np.int8),
+            features=feats, block_size=self.block_size, meta=self.meta, validate=False)
+        if self.reordered:
+            trace = trace.take(order)
+        trace.validate()
+        return trace
+
+
+def concat(traces: Sequence[Trace], meta: dict[str, Any] | None = None) -> Trace:
+    """Concatenate traces with the same block size and re-sort by time (sessions must already be disjoint)."""
+    if not traces:
+        raise ValueError("concat needs at least one trace")
+    bs = {tr.block_size for tr in traces}
+    if len(bs) != 1:
+        raise ValueError(f"cannot concatenate traces with different block sizes {sorted(bs)}")
+    has_f = {tr.features is not None for tr in traces}
+    if len(has_f) != 1:
+        raise ValueError("either every trace has features or none does")
+
+    def cat(name: str) -> np.ndarray:
+        return np.concatenate([getattr(tr, name) for tr in traces])
+
+    p_len = np.concatenate([np.diff(tr.prompt_offsets) for tr in traces])
+    o_len = np.concatenate([np.diff(tr.output_offsets) for tr in traces])
+    out = Trace(t=cat("t"), session=cat("session"), turn=cat("turn"), app=cat("app"),
+                prompt_tokens=cat("prompt_tokens"), output_tokens=cat("output_tokens"),
+                prompt_offsets=_csr(p_len), prompt_keys=cat("prompt_keys"), prompt_types=cat("prompt_types"),
+                output_offsets=_csr(o_len), output_keys=cat("output_keys"), output_types=cat("output_types"),
+                features=cat("features") if traces[0].features is not None else None,
+                block_size=traces[0].block_size, meta=meta or traces[0].meta, validate=False)
+    order = np.argsort(out.t, kind="stable")
+    if (order != np.arange(len(out))).any():
+        out = out.take(order)
+    out.validate()
+    return out
+
+
+def load_trace_file(path: str | os.PathLike) -> Trace:
+    """Alias of :meth:`Trace.load` for symmetry with the sources."""
+    return Trace.load(path)
