@@ -1,0 +1,212 @@
+"""The eviction-policy interface: a few hooks, like libCacheSim's plugin interface.
+
+The cache (:mod:`sae_env.cache`) owns the generic loop (find -> evict while full -> insert) and calls:
+
+=====================================  ==========================================================================
+``attach(cache)``                      once, when the cache is built
+``bind(trace)``                        once, before a replay starts (oracles precompute their knowledge here)
+``on_request(trace, i, now)``          before request ``i`` is served: the semantic context a real server has
+                                       (session, turn, app, block types; features for learned components)
+``on_complete(trace, i, now)``         request ``i`` finished decoding; its output blocks are inserted next
+``on_insert(block, now)``              a block was inserted (it is pinned by the inserting request)
+``on_hit(blocks, now)``                the request hit these cached blocks (its longest cached prefix), in order
+``on_acquire(block)``                  the block's pin count went 0 -> 1: it is no longer evictable
+``on_release(block, now)``             the pin count went 1 -> 0 (blocks of one request are released deepest
+                                       first); the block is evictable if it is also a leaf
+``on_leaf(block)``                     the block's last cached child was evicted; evictable if also unpinned
+``evict(now) -> Block | None``         choose an evictable block (unpinned leaf), forget it, return it;
+                                       ``None`` if nothing is evictable (the cache then counts a bypass)
+=====================================  ==========================================================================
+
+A policy sees only what a real server would know at that moment, except *oracle* policies (``oracle = True``,
+e.g. Belady), whose extra knowledge is computed in :meth:`bind` and arrives with each request.
+
+Tunable policies expose a named, bounded parameter vector (:class:`ParamSpec`), set by agents through
+:meth:`set_params`.
+
+:class:`KeyedPolicy` is the SGLang-style shortcut: a policy that is nothing but a sort key over evictable leaves,
+fixed when the block becomes evictable (a lazy-deletion heap keeps them).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from sae_env.cache import Block, PrefixCache
+    from sae_env.trace import Trace
+
+__all__ = ["EvictionPolicy", "KeyedPolicy", "ParamSpec"]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One tunable parameter: a name, bounds, a default, and whether it lives on a log scale."""
+
+    name: str
+    low: float
+    high: float
+    default: float
+    log: bool = False
+    doc: str = ""
+
+    def __post_init__(self):
+        if not (self.low < self.high) or not (self.low <= self.default <= self.high):
+            raise ValueError(f"parameter {self.name}: need low < high and low <= default <= high")
+        if self.log and self.low <= 0:
+            raise ValueError(f"parameter {self.name}: a log-scale parameter needs low > 0")
+
+    def clip(self, value: float) -> float:
+        return min(self.high, max(self.low, float(value)))
+
+
+class EvictionPolicy:
+    """Base class: every hook is a no-op; subclasses override what they need and :meth:`evict`."""
+
+    name = "base"
+    oracle = False  # True for policies that know the future (Belady)
+    param_specs: tuple[ParamSpec, ...] = ()
+
+    def __init__(self) -> None:
+        self.cache: PrefixCache | None = None
+        self._params: dict[str, float] = {p.name: p.default for p in self.param_specs}
+
+    # -- wiring --------------------------------------------------------------------------------------------
+    def attach(self, cache: PrefixCache) -> None:
+        if self.cache is not None and self.cache is not cache:
+            raise RuntimeError(f"policy {self.name!r} is already attached to another cache; build a new one")
+        self.cache = cache
+
+    def bind(self, trace: Trace) -> None:
+        """Called once before replaying ``trace``."""
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def on_request(self, trace: Trace, i: int, now: float) -> None:
+        pass
+
+    def on_complete(self, trace: Trace, i: int, now: float) -> None:
+        pass
+
+    def on_insert(self, block: Block, now: float) -> None:
+        pass
+
+    def on_hit(self, blocks: list[Block], now: float) -> None:
+        pass
+
+    def on_acquire(self, block: Block) -> None:
+        pass
+
+    def on_release(self, block: Block, now: float) -> None:
+        pass
+
+    def on_leaf(self, block: Block) -> None:
+        pass
+
+    def evict(self, now: float) -> Block | None:
+        raise NotImplementedError
+
+    # -- parameters ----------------------------------------------------------------------------------------
+    @property
+    def params(self) -> dict[str, float]:
+        return dict(self._params)
+
+    def set_params(self, values: dict[str, float] | np.ndarray | list[float]) -> int:
+        """Set parameters by name (dict) or as a vector in ``param_specs`` order.
+
+        Values outside the bounds are clipped; NaN keeps the current value. Returns how many values were clipped
+        or ignored, so that callers can count them. Unknown names raise ValueError.
+        """
+        specs = {p.name: p for p in self.param_specs}
+        if not isinstance(values, dict):
+            vec = np.asarray(values, dtype=np.float64).ravel()
+            if vec.size != len(self.param_specs):
+                raise ValueError(f"policy {self.name!r} has {len(self.param_specs)} parameters, got {vec.size}")
+            values = {p.name: float(v) for p, v in zip(self.param_specs, vec, strict=True)}
+        unknown = sorted(set(values) - set(specs))
+        if unknown:
+            raise ValueError(f"policy {self.name!r} has no parameter(s) {unknown}; valid: {sorted(specs)}")
+        fixed = 0
+        for name, v in values.items():
+            v = float(v)
+            if math.isnan(v):
+                fixed += 1
+                continue
+            c = specs[name].clip(v)
+            fixed += c != v
+            self._params[name] = c
+        self.params_changed()
+        return fixed
+
+    def params_changed(self) -> None:
+        """Called after :meth:`set_params`; policies refresh derived values here."""
+
+    # -- reporting -----------------------------------------------------------------------------------------
+    def window_stats(self) -> dict[str, Any]:
+        """Policy-specific statistics for the current window (queues, gaps, ...); reset by :meth:`reset_window`."""
+        return {}
+
+    def reset_window(self) -> None:
+        pass
+
+    def occupancy_by_queue(self) -> dict[int, int]:
+        """Cached blocks per queue id; single-queue policies hold everything in queue 0."""
+        return {0: len(self.cache)} if self.cache is not None and len(self.cache) else {}
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError if the policy's structures disagree with the cache (tests call this)."""
+
+
+class KeyedPolicy(EvictionPolicy):
+    """A policy that is a sort key over evictable leaves (lowest first), like SGLang's radix-cache policies.
+
+    Subclasses implement :meth:`priority`, evaluated when a block becomes evictable (released while a leaf, or
+    made a leaf while unpinned). The heap uses lazy deletion: an entry is valid while the block's ``stamp`` still
+    names it; blocks of equal priority are evicted in the order they became evictable.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._heap: list[tuple[Any, int, Block]] = []
+        self._seq = 0
+
+    def priority(self, block: Block, now: float) -> Any:
+        raise NotImplementedError
+
+    def _push(self, block: Block, now: float) -> None:
+        self._seq += 1
+        block.stamp = self._seq
+        heapq.heappush(self._heap, (self.priority(block, now), self._seq, block))
+
+    def on_release(self, block: Block, now: float) -> None:
+        if block.n_children == 0:
+            self._push(block, now)
+
+    def on_leaf(self, block: Block) -> None:
+        if block.pins == 0:
+            self._push(block, block.last_access)
+
+    def on_acquire(self, block: Block) -> None:
+        block.stamp = 0
+
+    def evict(self, now: float) -> Block | None:
+        heap = self._heap
+        while heap:
+            _, seq, b = heapq.heappop(heap)
+            if b.stamp == seq:
+                b.stamp = 0
+                return b
+        return None
+
+    def check_invariants(self) -> None:
+        live = {b.stamp for b in self.cache.blocks.values() if b.stamp}
+        in_heap = {seq for _, seq, b in self._heap if b.stamp == seq}
+        if live != in_heap:
+            raise RuntimeError(f"{self.name}: {len(live)} blocks marked evictable, {len(in_heap)} valid heap entries")
+        for b in self.cache.blocks.values():
+            if (b.pins == 0 and b.n_children == 0) != bool(b.stamp):
+                raise RuntimeError(f"{self.name}: {b!r} evictability disagrees with its heap entry")

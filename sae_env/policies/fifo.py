@@ -1,0 +1,21 @@
+"""FIFO: evict the evictable leaf that was inserted first. Hits do not change the order."""
+
+from __future__ import annotations
+
+from sae_env.cache import Block
+from sae_env.policies.base import KeyedPolicy
+
+
+class FIFOPolicy(KeyedPolicy):
+    name = "fifo"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._inserted = 0
+
+    def on_insert(self, block: Block, now: float) -> None:
+        self._inserted += 1
+        block.pdata = self._inserted
+
+    def priority(self, block: Block, now: float) -> int:
+        return block.pdata

@@ -1,0 +1,26 @@
+"""LFU with a recency tie-break: evict the evictable leaf with the fewest hits; among equals, the one released
+longest ago (deepest first among blocks released together), as libCacheSim's LFU (frequency lists, LRU inside).
+
+A block's count starts at 1 on insertion and grows by 1 per hit; it is forgotten on eviction (no ghost frequency).
+"""
+
+from __future__ import annotations
+
+from sae_env.cache import Block
+from sae_env.policies.base import KeyedPolicy
+
+
+class LFUPolicy(KeyedPolicy):
+    name = "lfu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._released = 0
+
+    def on_release(self, block: Block, now: float) -> None:
+        self._released += 1
+        block.pdata = self._released  # release order, the recency tie-break
+        super().on_release(block, now)
+
+    def priority(self, block: Block, now: float) -> tuple[int, int]:
+        return (1 + block.hits, block.pdata)

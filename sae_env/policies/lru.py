@@ -1,0 +1,40 @@
+"""LRU in vLLM's order: evict the block released longest ago; among blocks released together, the deepest first.
+
+vLLM v1 keeps blocks that no running request uses in a free queue, appended when a request frees them (in reverse
+order, so a request's deepest block is evicted first) and removed when a new request hits them; eviction pops the
+head. This is that queue. Its head is always a leaf: a block's children are released with it (before it) or earlier,
+so the cache's leaf-only rule never has to skip an entry (the cache checks it anyway).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from sae_env.cache import Block
+from sae_env.policies.base import EvictionPolicy
+
+
+class LRUPolicy(EvictionPolicy):
+    name = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._free: OrderedDict[int, Block] = OrderedDict()  # unpinned blocks, least recently released first
+
+    def on_acquire(self, block: Block) -> None:
+        del self._free[block.key]
+
+    def on_release(self, block: Block, now: float) -> None:
+        self._free[block.key] = block
+
+    def evict(self, now: float) -> Block | None:
+        for key, b in self._free.items():
+            if b.n_children == 0:
+                del self._free[key]
+                return b
+        return None
+
+    def check_invariants(self) -> None:
+        unpinned = {k for k, b in self.cache.blocks.items() if b.pins == 0}
+        if unpinned != set(self._free):
+            raise RuntimeError("lru: free queue differs from the set of unpinned blocks")

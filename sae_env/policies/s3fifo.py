@@ -1,0 +1,97 @@
+"""S3-FIFO (Yang et al., SOSP'23): a small FIFO queue S (10 % of the cache) filters one-hit wonders, a main FIFO M
+keeps the rest with CLOCK-style second chances, and a ghost FIFO G remembers keys recently evicted from S.
+
+* insert: a key found in G goes to M, any other to S; every block starts with frequency 0.
+* hit: frequency += 1, capped at 3.
+* evict: if S holds at least its share, take S's oldest: frequency >= ``move_to_main`` -> moved to M, otherwise
+  evicted (its key to G); else take M's oldest: frequency > 0 -> reinserted into M with frequency - 1, otherwise
+  evicted.
+* prefix caches only evict leaves that no request pins: a block that is not evictable when it reaches the end of
+  its queue is moved to the front of M, untouched, and the scan goes on (at most one full pass, then a bypass).
+
+Queue ids exposed in ``block.queue``: 0 = S, 1 = M.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from sae_env.cache import Block
+from sae_env.policies.base import EvictionPolicy
+
+SMALL, MAIN = 0, 1
+
+
+class S3FIFOPolicy(EvictionPolicy):
+    name = "s3fifo"
+
+    def __init__(self, small_ratio: float = 0.1, move_to_main: int = 1, max_freq: int = 3) -> None:
+        super().__init__()
+        if not 0 < small_ratio < 1:
+            raise ValueError(f"s3fifo: small_ratio must lie in (0, 1), got {small_ratio}")
+        self.small_ratio = small_ratio
+        self.move_to_main = move_to_main
+        self.max_freq = max_freq
+        self._small: OrderedDict[int, Block] = OrderedDict()  # oldest first
+        self._main: OrderedDict[int, Block] = OrderedDict()  # oldest first
+        self._ghost: OrderedDict[int, None] = OrderedDict()  # keys evicted from S, oldest first
+        self._small_target = 1
+        self._ghost_size = 1
+
+    def attach(self, cache) -> None:
+        super().attach(cache)
+        self._small_target = max(1, int(self.small_ratio * cache.capacity))
+        self._ghost_size = max(1, cache.capacity - self._small_target)
+
+    def on_insert(self, block: Block, now: float) -> None:
+        block.pdata = 0
+        if block.key in self._ghost:
+            del self._ghost[block.key]
+            block.queue = MAIN
+            self._main[block.key] = block
+        else:
+            block.queue = SMALL
+            self._small[block.key] = block
+
+    def on_hit(self, blocks: list[Block], now: float) -> None:
+        cap = self.max_freq
+        for b in blocks:
+            if b.pdata < cap:
+                b.pdata += 1
+
+    def _to_main(self, block: Block) -> None:
+        block.queue = MAIN
+        self._main[block.key] = block
+
+    def evict(self, now: float) -> Block | None:
+        small, main = self._small, self._main
+        budget = len(small) + 2 * len(main) + 1  # one pass, plus second chances in M
+        while budget > 0 and (small or main):
+            budget -= 1
+            if small and (len(small) >= self._small_target or not main):
+                key, b = small.popitem(last=False)
+                if b.pdata >= self.move_to_main or b.pins or b.n_children:
+                    self._to_main(b)
+                    continue
+                self._ghost[key] = None
+                if len(self._ghost) > self._ghost_size:
+                    self._ghost.popitem(last=False)
+                return b
+            key, b = main.popitem(last=False)
+            if b.pins or b.n_children:
+                main[key] = b
+                continue
+            if b.pdata > 0:
+                b.pdata -= 1
+                main[key] = b
+                continue
+            return b
+        return None
+
+    def occupancy_by_queue(self) -> dict[int, int]:
+        return {SMALL: len(self._small), MAIN: len(self._main)}
+
+    def check_invariants(self) -> None:
+        held = set(self._small) | set(self._main)
+        if held != set(self.cache.blocks) or set(self._small) & set(self._main):
+            raise RuntimeError("s3fifo: queues differ from the cached blocks")
