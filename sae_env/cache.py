@@ -138,6 +138,11 @@ class PrefixCache:
         self.miss_after_eviction_queue: dict[int, int] = {}  # per queue id
         self.occupancy_by_type = [0] * N_TOKEN_TYPES  # cached blocks per TokenType, kept up to date
         policy.attach(self)
+        from sae_env.policies.base import EvictionPolicy
+
+        # Skip the call when the policy keeps the no-op default: one fewer call per request on the hot path.
+        self._policy_sees_hits = type(policy).on_hit is not EvictionPolicy.on_hit
+        self._policy_sees_inserts = type(policy).on_insert is not EvictionPolicy.on_insert
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -164,26 +169,27 @@ class PrefixCache:
     def admit(self, keys: Sequence[int], types: Sequence[int], now: float) -> tuple[list[Block], int]:
         """Serve a request's prompt: hit the cached prefix, insert the rest; returns ``(pinned_path, n_hit)``.
 
-        Every block on the returned path is pinned until :meth:`complete` is called with it.
+        Every block on the returned path is pinned until :meth:`complete` is called with it. Policy hooks get
+        lists (one call per request, not per block): calls dominate the cost of a Python hot path.
         """
-        blocks = self.blocks
-        policy = self.policy
+        get = self.blocks.get
         path: list[Block] = []
+        acquired: list[Block] = []
         for k in keys:
-            b = blocks.get(k)
+            b = get(k)
             if b is None:
                 break
-            path.append(b)
-        n_hit = len(path)
-        for b in path:
-            if b.pins == 0:
-                policy.on_acquire(b)
+            if not b.pins:
+                acquired.append(b)
             b.pins += 1
-        if n_hit:
-            policy.on_hit(path, now)
-            for b in path:
-                b.last_access = now
-                b.hits += 1
+            b.last_access = now
+            b.hits += 1
+            path.append(b)
+        if acquired:
+            self.policy.on_acquire(acquired)
+        n_hit = len(path)
+        if n_hit and self._policy_sees_hits:
+            self.policy.on_hit(path, now)
         if n_hit < len(keys):
             self._insert_run(path, keys, types, n_hit, now)
         return path, n_hit
@@ -198,11 +204,48 @@ class PrefixCache:
         """
         if self.cache_outputs and len(out_keys) and len(path) == n_prompt:
             self._insert_run(path, out_keys, out_types, 0, now, first_depth=n_prompt)
-        policy = self.policy
+        released: list[Block] = []
         for b in reversed(path):
             b.pins -= 1
-            if b.pins == 0:
-                policy.on_release(b, now)
+            if not b.pins:
+                released.append(b)
+        if released:
+            self.policy.on_release(released, now)
+
+    def serve(self, keys: Sequence[int], types: Sequence[int], out_keys: Sequence[int], out_types: Sequence[int],
+              now: float) -> int:
+        """Instant mode: :meth:`admit` then :meth:`complete` at the same instant; returns the number of hit blocks.
+
+        Equivalent to ``complete(*admit(...))`` when no other request is in flight (every block unpinned), which
+        lets the hit path be acquired and released as a whole: one pass fewer per block on the hottest loop.
+        """
+        get = self.blocks.get
+        path: list[Block] = []
+        for k in keys:
+            b = get(k)
+            if b is None:
+                break
+            b.pins = 1
+            b.last_access = now
+            b.hits += 1
+            path.append(b)
+        n_hit = len(path)
+        policy = self.policy
+        if n_hit:
+            policy.on_acquire(path)
+            if self._policy_sees_hits:
+                policy.on_hit(path, now)
+        n_prompt = len(keys)
+        if n_hit < n_prompt:
+            self._insert_run(path, keys, types, n_hit, now)
+        if self.cache_outputs and len(out_keys) and len(path) == n_prompt:
+            self._insert_run(path, out_keys, out_types, 0, now, first_depth=n_prompt)
+        if path:
+            path.reverse()
+            for b in path:
+                b.pins = 0
+            policy.on_release(path, now)
+        return n_hit
 
     def _insert_run(self, path: list[Block], keys: Sequence[int], types: Sequence[int], start: int, now: float,
                     first_depth: int | None = None) -> None:
@@ -212,6 +255,7 @@ class PrefixCache:
         ghosts = self.ghosts
         parent = path[-1] if path else None
         depth = start if first_depth is None else first_depth
+        sees_inserts = self._policy_sees_inserts
         for j in range(start, len(keys)):
             k = keys[j]
             if k in blocks:
@@ -219,11 +263,13 @@ class PrefixCache:
                 b = blocks[k]
                 if b.parent is not parent:
                     break  # a different chain reached the same key (hash collision): stop rather than corrupt
-                if b.pins == 0:
-                    policy.on_acquire(b)
+                if not b.pins:
+                    policy.on_acquire([b])
                 b.pins += 1
-                policy.on_hit([b], now)
                 b.last_access = now
+                b.hits += 1
+                if self._policy_sees_hits:
+                    policy.on_hit([b], now)
                 path.append(b)
                 parent = b
                 depth += 1
@@ -241,7 +287,8 @@ class PrefixCache:
             self.occupancy_by_type[b.type] += 1
             if parent is not None:
                 parent.n_children += 1
-            policy.on_insert(b, now)
+            if sees_inserts:
+                policy.on_insert(b, now)
             path.append(b)
             parent = b
             depth += 1
@@ -259,7 +306,7 @@ class PrefixCache:
         parent = victim.parent
         if parent is not None:
             parent.n_children -= 1
-            if parent.n_children == 0:
+            if not parent.n_children:
                 self.policy.on_leaf(parent)
         victim.parent = None
         self.evictions += 1

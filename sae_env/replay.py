@@ -148,20 +148,26 @@ class Replay:
     def _replay_instant(self, a: int, b: int) -> list[int]:
         po, pk, pt, oo, ok, ot, times = self._slices(a, b)
         trace, cache, policy, check = self.trace, self.cache, self.policy, self.check
-        admit, complete = cache.admit, cache.complete
+        serve = cache.serve
         on_request = policy.on_request if self._has_ctx else None
         on_complete = policy.on_complete if self._has_done else None
         hits = [0] * (b - a)
+        empty = ()
         for j in range(b - a):
             now = times[j]
             s, e = po[j], po[j + 1]
             if on_request is not None:
                 on_request(trace, a + j, now)
-            path, h = admit(pk[s:e], pt[s:e], now)
-            hits[j] = h
             if on_complete is not None:
+                # The policy must hear about the completion before the outputs are inserted.
+                path, h = cache.admit(pk[s:e], pt[s:e], now)
                 on_complete(trace, a + j, now)
-            complete(path, e - s, ok[oo[j]:oo[j + 1]], ot[oo[j]:oo[j + 1]], now)
+                cache.complete(path, e - s, ok[oo[j]:oo[j + 1]], ot[oo[j]:oo[j + 1]], now)
+            else:
+                os_, oe = oo[j], oo[j + 1]
+                h = serve(pk[s:e], pt[s:e], ok[os_:oe] if oe > os_ else empty, ot[os_:oe] if oe > os_ else empty,
+                          now)
+            hits[j] = h
             if check:
                 cache.check_invariants()
         return hits

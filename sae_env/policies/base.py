@@ -10,14 +10,15 @@ The cache (:mod:`sae_env.cache`) owns the generic loop (find -> evict while full
 ``on_complete(trace, i, now)``         request ``i`` finished decoding; its output blocks are inserted next
 ``on_insert(block, now)``              a block was inserted (it is pinned by the inserting request)
 ``on_hit(blocks, now)``                the request hit these cached blocks (its longest cached prefix), in order
-``on_acquire(block)``                  the block's pin count went 0 -> 1: it is no longer evictable
-``on_release(block, now)``             the pin count went 1 -> 0 (blocks of one request are released deepest
-                                       first); the block is evictable if it is also a leaf
+``on_acquire(blocks)``                 these blocks' pin counts went 0 -> 1: they are no longer evictable
+``on_release(blocks, now)``            these blocks' pin counts went 1 -> 0, listed deepest first (a request's
+                                       blocks are released together); each is evictable if also a leaf
 ``on_leaf(block)``                     the block's last cached child was evicted; evictable if also unpinned
 ``evict(now) -> Block | None``         choose an evictable block (unpinned leaf), forget it, return it;
                                        ``None`` if nothing is evictable (the cache then counts a bypass)
 =====================================  ==========================================================================
 
+Per-block events come in lists, one call per request: on a Python hot path the calls cost more than the work.
 A policy sees only what a real server would know at that moment, except *oracle* policies (``oracle = True``,
 e.g. Belady), whose extra knowledge is computed in :meth:`bind` and arrives with each request.
 
@@ -98,10 +99,10 @@ class EvictionPolicy:
     def on_hit(self, blocks: list[Block], now: float) -> None:
         pass
 
-    def on_acquire(self, block: Block) -> None:
+    def on_acquire(self, blocks: list[Block]) -> None:
         pass
 
-    def on_release(self, block: Block, now: float) -> None:
+    def on_release(self, blocks: list[Block], now: float) -> None:
         pass
 
     def on_leaf(self, block: Block) -> None:
@@ -182,16 +183,18 @@ class KeyedPolicy(EvictionPolicy):
         block.stamp = self._seq
         heapq.heappush(self._heap, (self.priority(block, now), self._seq, block))
 
-    def on_release(self, block: Block, now: float) -> None:
-        if block.n_children == 0:
-            self._push(block, now)
+    def on_release(self, blocks: list[Block], now: float) -> None:
+        for b in blocks:
+            if not b.n_children:
+                self._push(b, now)
 
     def on_leaf(self, block: Block) -> None:
-        if block.pins == 0:
+        if not block.pins:
             self._push(block, block.last_access)
 
-    def on_acquire(self, block: Block) -> None:
-        block.stamp = 0
+    def on_acquire(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            b.stamp = 0
 
     def evict(self, now: float) -> Block | None:
         heap = self._heap

@@ -17,10 +17,11 @@ class LFUPolicy(KeyedPolicy):
         super().__init__()
         self._released = 0
 
-    def on_release(self, block: Block, now: float) -> None:
-        self._released += 1
-        block.pdata = self._released  # release order, the recency tie-break
-        super().on_release(block, now)
+    def on_release(self, blocks: list[Block], now: float) -> None:
+        for b in blocks:
+            self._released += 1
+            b.pdata = self._released  # release order, the recency tie-break
+        super().on_release(blocks, now)
 
     def priority(self, block: Block, now: float) -> tuple[int, int]:
         return (1 + block.hits, block.pdata)

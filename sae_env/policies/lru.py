@@ -21,11 +21,15 @@ class LRUPolicy(EvictionPolicy):
         super().__init__()
         self._free: OrderedDict[int, Block] = OrderedDict()  # unpinned blocks, least recently released first
 
-    def on_acquire(self, block: Block) -> None:
-        del self._free[block.key]
+    def on_acquire(self, blocks: list[Block]) -> None:
+        free = self._free
+        for b in blocks:
+            del free[b.key]
 
-    def on_release(self, block: Block, now: float) -> None:
-        self._free[block.key] = block
+    def on_release(self, blocks: list[Block], now: float) -> None:
+        free = self._free
+        for b in blocks:
+            free[b.key] = b
 
     def evict(self, now: float) -> Block | None:
         for key, b in self._free.items():

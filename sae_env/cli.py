@@ -1,0 +1,254 @@
+"""The command line (``python train.py ...`` or ``saecache-gym ...``): parse, then call the library.
+
+Subcommands:
+  characterize   the workload study of a trace (reuse by type / app / offset, gap fits)
+  replay         replay a trace through one or more policies and print them side by side
+
+Bad input (unknown source or policy, malformed trace, impossible capacity) prints one clear line on stderr and
+exits with status 2; nothing is half-written (outputs are written atomically).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sae_env.trace import Trace, TraceFormatError
+
+DEFAULT_TRACE = "taubench"  # an embedded real trace (see sae_env/data/README.md)
+
+
+class UsageError(ValueError):
+    """A bad command line or input file: reported in one line, exit status 2."""
+
+
+# -- helpers -------------------------------------------------------------------------------------------------------
+
+def parse_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``["rate=2", "seed=3"]`` -> ``{"rate": 2, "seed": 3}`` (values parsed as YAML scalars)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise UsageError(f"--opt expects KEY=VALUE, got '{pair}'")
+        k, v = pair.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def load_input(trace: str, source: str | None, options: dict[str, Any]) -> tuple[Trace, Any]:
+    """Load a trace from a path or an embedded name (``taubench``, ``wildchat``, ``mooncake_arxiv``, ...)."""
+    from sae_env import data
+    from sae_env.sources import load_source, source_names
+
+    if trace in data.ALL and not Path(trace).exists():
+        path, default_source = data.ALL[trace]
+        if trace == "taubench":
+            options.setdefault("tools", str(data.TAUBENCH_TOOLS))
+        source = source or default_source
+        trace = str(path)
+    if source is None:
+        suffix = "".join(Path(trace).suffixes[-2:])
+        if suffix.endswith((".npz", ".jsonl")) and _is_native(trace):
+            source = "trace"
+        else:
+            raise UsageError(f"say which format {trace} is in with --source (one of: {', '.join(source_names())})")
+    return load_source(source, trace if trace != "-" else None, **options)
+
+
+def _is_native(path: str) -> bool:
+    if path.endswith(".npz"):
+        return True
+    try:
+        with open(path, encoding="utf-8") as f:
+            return '"format": "sae-trace"' in f.readline()
+    except OSError:
+        return False
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(o: Any) -> Any:
+    import numpy as np
+
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _fmt(v: Any, width: int = 12) -> str:
+    if v is None:
+        return "-".rjust(width)
+    if isinstance(v, float):
+        return f"{v:{width}.4f}" if abs(v) < 1e4 else f"{v:{width}.4g}"
+    return str(v).rjust(width)
+
+
+# -- subcommands ---------------------------------------------------------------------------------------------------
+
+def cmd_characterize(args: argparse.Namespace) -> int:
+    from sae_env.characterize import characterize, format_table
+
+    trace, report = load_input(args.trace, args.source, parse_options(args.opt))
+    print(report, file=sys.stderr)
+    result = characterize(trace)
+    print(format_table(result))
+    if args.json:
+        write_json(args.json, {**result, "load_report": report.to_dict()})
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plots:
+        from sae_env.plots import write_characterization_plots
+
+        for p in write_characterization_plots(result, trace, args.plots):
+            print(f"wrote {p}", file=sys.stderr)
+    return 0
+
+
+REPLAY_COLUMNS = ("token_hit_rate", "block_hit_rate", "hit_tokens", "evictions", "bypasses", "ttft_mean_ms",
+                  "ttft_p50_ms", "ttft_p99_ms", "decision_us_per_request")
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from sae_env.cache import PrefixCache, resolve_capacity
+    from sae_env.metrics import summarize
+    from sae_env.policies import make_policy, policy_names
+    from sae_env.replay import Replay
+    from sae_env.serving import make_server
+
+    names = [p.strip() for p in args.policy.split(",") if p.strip()]
+    valid = policy_names()
+    bad = [p for p in names if p not in valid]
+    if not names or bad:
+        raise UsageError(f"unknown policy {bad or args.policy!r}; valid policies: {', '.join(valid)}")
+    options = parse_options(args.opt)
+    if args.block_size is not None:
+        options.setdefault("block_size", args.block_size)
+    trace, report = load_input(args.trace, args.source, options)
+    if args.block_size is not None and trace.block_size != args.block_size:
+        raise UsageError(f"--block-size {args.block_size} does not match the trace's block size {trace.block_size}")
+    print(report, file=sys.stderr)
+    distinct = trace.distinct_blocks()
+    kv_bytes = None
+    if args.serving != "instant":
+        server_probe = make_server(args.serving)
+        kv_bytes = getattr(getattr(getattr(server_probe, "cost", None), "model", None), "kv_bytes_per_token", None)
+    capacity = resolve_capacity(args.capacity, distinct, kv_bytes, trace.block_size)
+    if capacity > 100 * max(distinct, 1):
+        raise UsageError(f"capacity {capacity} blocks is more than 100x the trace's {distinct} distinct blocks; "
+                         "use a fraction (e.g. 0.15) or a smaller number")
+    results = []
+    for name in names:
+        policy = make_policy(name)
+        server = make_server(args.serving)
+        rep = Replay(trace, PrefixCache(capacity, policy), server, window_requests=args.window)
+        rep.run(progress=args.progress)
+        summary = summarize(rep.windows, policy=name, block_size=trace.block_size, timed=server.timed)
+        summary["oracle"] = policy.oracle
+        summary["distinct_blocks"] = distinct
+        summary["serving"] = args.serving
+        summary["decision_us_per_request"] = 1e6 * rep.wall_s / max(len(trace), 1)  # wall clock, not a metric
+        results.append(summary)
+    print(f"{len(trace)} requests, {trace.n_blocks} prompt blocks, {distinct} distinct blocks, "
+          f"capacity {capacity} blocks ({capacity / max(distinct, 1):.1%}), block size {trace.block_size}, "
+          f"serving {args.serving}")
+    print("policy".ljust(14) + "".join(c[:12].rjust(13) for c in REPLAY_COLUMNS))
+    for r in results:
+        print(r["policy"].ljust(14) + "".join(" " + _fmt(r[c]) for c in REPLAY_COLUMNS))
+    if args.json:
+        write_json(args.json, results[0] if len(results) == 1 else results)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_default(args: argparse.Namespace) -> int:
+    """``python train.py`` with no subcommand: characterise and replay the embedded default trace."""
+    t0 = time.perf_counter()
+    ns = argparse.Namespace(trace=DEFAULT_TRACE, source=None, opt=None, json=None, plots=None)
+    cmd_characterize(ns)
+    ns = argparse.Namespace(trace=DEFAULT_TRACE, source=None, opt=None, json=None, policy="lru,lfu,s3fifo,belady",
+                            capacity="0.1", serving="qwen2.5-1.5b@a40", block_size=None, window=1000, progress=True)
+    cmd_replay(ns)
+    print(f"done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+# -- parser --------------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="train.py", description="SAECache-Gym: prefix-cache eviction agents in a "
+                                "Gymnasium environment. With no subcommand: characterise and replay the embedded "
+                                "default trace.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    def trace_args(sp: argparse.ArgumentParser, positional: bool) -> None:
+        from sae_env import data
+
+        help_ = (f"trace file, or an embedded trace: {', '.join(data.ALL)}")
+        if positional:
+            sp.add_argument("trace", help=help_)
+        else:
+            sp.add_argument("--trace", default=DEFAULT_TRACE, help=help_ + f" (default: {DEFAULT_TRACE})")
+        sp.add_argument("--source", help="input format: mooncake, bailian, conversations, taubench, azure, "
+                        "synthetic, mix, trace (inferred for embedded traces and .npz)")
+        sp.add_argument("--opt", action="append", metavar="KEY=VALUE", help="a source option (repeatable), e.g. "
+                        "--opt seed=3 --opt rate=0.5")
+
+    c = sub.add_parser("characterize", help="workload characterisation of a trace",
+                       description="Reuse ratios by token type, app and block offset; intra- vs cross-session "
+                       "reuse; inter-turn gaps fitted to log-normal and exponential.")
+    trace_args(c, positional=True)
+    c.add_argument("--json", help="write the result as JSON")
+    c.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
+    c.set_defaults(func=cmd_characterize)
+
+    r = sub.add_parser("replay", help="replay a trace through eviction policies",
+                       description="Replay a trace through one or more policies (comma list) on the same cache size "
+                       "and print them side by side.")
+    trace_args(r, positional=False)
+    r.add_argument("--policy", default="lru", help="policy name or comma list (e.g. lru,lfu,belady)")
+    r.add_argument("--capacity", default="0.1", help="blocks (int), fraction of distinct blocks (0.15), '15%%', "
+                   "or KV bytes ('2GiB', needs a serving preset)")
+    r.add_argument("--serving", default="instant", help="'instant' (no time passes) or a preset: "
+                   "qwen2.5-1.5b@a40, qwen2.5-1.5b@h200")
+    r.add_argument("--block-size", type=int, help="block size in tokens (text sources re-cut; must match "
+                   "hash-only traces)")
+    r.add_argument("--window", type=int, default=1000, help="requests per window (default 1000)")
+    r.add_argument("--json", help="write the summary as JSON")
+    r.add_argument("--progress", action="store_true", help="show a progress bar")
+    r.set_defaults(func=cmd_replay)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", cmd_default)
+    try:
+        return func(args)
+    except (UsageError, TraceFormatError, ValueError, FileNotFoundError) as e:
+        if os.environ.get("SAE_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
