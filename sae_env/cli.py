@@ -112,9 +112,9 @@ def cmd_characterize(args: argparse.Namespace) -> int:
         write_json(args.json, {**result, "load_report": report.to_dict()})
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plots:
-        from sae_env.plots import write_characterization_plots
+        from sae_env.characterize import write_plots
 
-        for p in write_characterization_plots(result, trace, args.plots):
+        for p in write_plots(result, trace, args.plots):
             print(f"wrote {p}", file=sys.stderr)
     return 0
 
