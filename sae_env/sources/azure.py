@@ -1,0 +1,262 @@
+"""Azure LLM inference trace 2023 (AzurePublicDataset): an arrival-and-length process, no content.
+
+Format: a CSV with the header ``TIMESTAMP,ContextTokens,GeneratedTokens`` (columns in any order) and one request a
+row, e.g. ``2023-11-16 18:17:03.9799600,4808,10``: an absolute timestamp (100 ns resolution), the prompt length
+and the generated length in tokens. There are no sessions and no hashes of the content, so nothing says which
+requests share a prefix: the trace is good for arrival burstiness and length shapes only.
+
+Two ways to use it:
+
+* :func:`load_process` -> :class:`AzureProcess`: numpy arrays ``t`` (seconds since the first row),
+  ``context_tokens`` and ``generated_tokens``, with samplers that other sources borrow: :meth:`~AzureProcess.
+  start_times` (the first ``n`` arrivals, tiled past the end), :meth:`~AzureProcess.sample_start_times`
+  (inter-arrival gaps resampled with replacement) -- both optionally rescaled to a target rate -- and
+  :meth:`~AzureProcess.sample_lengths` (rows resampled with replacement, keeping each request's pair of lengths).
+* :func:`load` -> a :class:`~sae_env.trace.Trace` of single-turn requests (session -1, turn 1, app SINGLE_TURN)
+  whose ``ContextTokens // block_size`` full prompt blocks all have unique keys of type UNKNOWN: a no-reuse
+  baseline that can be replayed (every lookup misses). Each key is ``chain_keys`` of a distinct content id (offset
+  by a fixed 64-bit tag) taken as a one-block prefix, so keys are unique and never coincide with another source's
+  keys, even under the same salt. No
+  output blocks are inserted (they could never be reused either).
+
+Parsing is vectorised: the timestamp column is converted in one ``np.array(..., dtype="datetime64[ns]")`` call and
+the token columns in one ``astype(np.int64)`` each; only when a column fails is it re-examined row by row to name
+the bad line. Bad rows (wrong number of fields, a timestamp that does not parse, a non-integer or negative token
+count) raise :class:`~sae_env.trace.TraceFormatError` naming file, line and field, or with ``on_error="skip"`` are
+dropped and counted. Rows out of time order are sorted (stably) and counted in the report's notes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sae_env.sources._io import check_options, open_text
+from sae_env.sources.hashonly import check_on_error, csr, int_option, unreadable
+from sae_env.trace import AppType, LoadReport, TokenType, Trace, TraceFormatError, chain_keys
+
+__all__ = ["COLUMNS", "DEFAULTS", "AzureProcess", "load", "load_process"]
+
+SOURCE = "azure"
+COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+DEFAULTS = {"block_size": 16, "salt": 0, "on_error": "raise"}
+# Offset of this source's content ids: keeps its (unique) keys apart from small-integer ids of other sources.
+_CONTENT_TAG = np.uint64(0xA2_0E_C5_17_D3_4B_96_F1)
+
+
+def _rng(rng: np.random.Generator | int | None) -> np.random.Generator:
+    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+
+
+def _rescale(t: np.ndarray, rate: float | None) -> np.ndarray:
+    """Scale arrival times (starting at 0) so that their mean rate, (n - 1) / span, is ``rate`` requests/s."""
+    if rate is None:
+        return t
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not np.isfinite(rate) or rate <= 0:
+        raise ValueError(f"rate must be a positive number of requests per second, got {rate!r}")
+    if t.size < 2 or t[-1] <= 0:
+        return t
+    return t * ((t.size - 1) / rate / t[-1])
+
+
+def _count(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"n must be a non-negative integer, got {n!r}")
+    return int(n)
+
+
+@dataclass(frozen=True)
+class AzureProcess:
+    """Arrival times and lengths of an Azure trace, in arrival order."""
+
+    t: np.ndarray  # float64 [n] seconds since the first request (t[0] == 0), non-decreasing
+    context_tokens: np.ndarray  # int64 [n] prompt lengths
+    generated_tokens: np.ndarray  # int64 [n] output lengths
+    start: str  # absolute time of the first request (ISO 8601, as in the file)
+    path: str
+    report: LoadReport = field(repr=False)
+
+    def __len__(self) -> int:
+        return int(self.t.size)
+
+    @property
+    def duration(self) -> float:
+        return float(self.t[-1]) if self.t.size else 0.0
+
+    @property
+    def rate(self) -> float:
+        """Mean arrival rate, requests per second ((n - 1) / duration)."""
+        return (self.t.size - 1) / self.duration if self.duration > 0 else float("nan")
+
+    def start_times(self, n: int, rate: float | None = None) -> np.ndarray:
+        """The first ``n`` arrival times (from 0), tiled past the end of the trace (each copy starts one mean gap
+        after the previous one ends); with ``rate``, scaled so that their mean rate is ``rate`` requests/s."""
+        n = _count(n)
+        if self.t.size == 0:
+            raise ValueError("the process has no arrivals")
+        reps = -(-n // self.t.size)
+        period = self.duration + (self.duration / (self.t.size - 1) if self.t.size > 1 else 1.0)
+        t = (self.t[None, :] + period * np.arange(reps)[:, None]).ravel()[:n]
+        return _rescale(t, rate)
+
+    def sample_start_times(self, n: int, rng: np.random.Generator | int | None = None,
+                           rate: float | None = None) -> np.ndarray:
+        """``n`` arrival times (from 0) whose gaps are the trace's inter-arrival gaps resampled with replacement:
+        the same gap distribution (burstiness) without the trace's order; ``rate`` rescales as in
+        :meth:`start_times`."""
+        n = _count(n)
+        gaps = np.diff(self.t)
+        if gaps.size == 0:
+            raise ValueError("the process needs at least two arrivals to resample gaps")
+        t = np.zeros(n, dtype=np.float64)
+        if n > 1:
+            np.cumsum(_rng(rng).choice(gaps, size=n - 1, replace=True), out=t[1:])
+        return _rescale(t, rate)
+
+    def sample_lengths(self, n: int, rng: np.random.Generator | int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(context_tokens, generated_tokens)`` of ``n`` requests drawn with replacement (pairs kept together)."""
+        n = _count(n)
+        if self.t.size == 0:
+            raise ValueError("the process has no requests")
+        idx = _rng(rng).integers(0, self.t.size, size=n)
+        return self.context_tokens[idx], self.generated_tokens[idx]
+
+
+def _bad_rows_int(values: list[str]) -> dict[int, str]:
+    """Slow path: row index -> why the token count is invalid."""
+    bad = {}
+    for i, v in enumerate(values):
+        try:
+            x = int(v)
+        except ValueError:
+            bad[i] = f"must be an integer, got {v!r}"
+            continue
+        if x < 0:
+            bad[i] = f"must be >= 0, got {x}"
+    return bad
+
+
+def _bad_rows_time(values: list[str]) -> dict[int, str]:
+    bad = {}
+    for i, v in enumerate(values):
+        try:
+            x = np.datetime64(v, "ns")
+        except ValueError:
+            bad[i] = f"not a timestamp like '2023-11-16 18:17:03.9799600': {v!r}"
+            continue
+        if np.isnat(x):
+            bad[i] = f"not a timestamp: {v!r}"
+    return bad
+
+
+def load_process(path: str | os.PathLike, *, on_error: str = "raise") -> AzureProcess:
+    """Read an Azure CSV into an :class:`AzureProcess` (``.gz`` transparently); see the module docstring."""
+    check_on_error(on_error)
+    report = LoadReport(source=SOURCE, path=str(path))
+    with open_text(path) as f, unreadable(path, lambda: None):
+        lines = f.read().splitlines()
+    numbered = [(i, s) for i, s in enumerate(lines, start=1) if s.strip()]
+    if not numbered:
+        raise TraceFormatError("empty file", path=path)
+    head_line, header = numbered[0]
+    names = [c.strip().lstrip("\ufeff") for c in header.split(",")]
+    if sorted(names) != sorted(COLUMNS):
+        raise TraceFormatError(f"expected the header {','.join(COLUMNS)}, got {header!r}", path=path,
+                               line=head_line)
+    col = [names.index(c) for c in COLUMNS]
+    body = numbered[1:]
+    report.rows_read = len(body)
+    if not body:
+        raise TraceFormatError("no rows after the header", path=path)
+
+    line_no = np.fromiter((i for i, _ in body), dtype=np.int64, count=len(body))
+    parts = [s.split(",") for _, s in body]
+    errors: dict[int, tuple[str | None, str, str]] = {}  # row -> (field, message, reason)
+    shape_ok = np.fromiter((len(p) == len(COLUMNS) for p in parts), dtype=bool, count=len(parts))
+    for i in np.flatnonzero(~shape_ok).tolist():
+        errors[i] = (None, f"expected {len(COLUMNS)} comma-separated fields, got {len(parts[i])}",
+                     "wrong number of fields")
+    ok_rows = np.flatnonzero(shape_ok).tolist()
+    columns = {name: [parts[i][c].strip() for i in ok_rows] for name, c in zip(COLUMNS, col, strict=True)}
+
+    try:
+        ts = np.array(columns["TIMESTAMP"], dtype="datetime64[ns]")
+        if np.isnat(ts).any():
+            raise ValueError("NaT")
+    except ValueError:
+        ts = None
+        for k, why in _bad_rows_time(columns["TIMESTAMP"]).items():
+            errors.setdefault(ok_rows[k], ("TIMESTAMP", why, "TIMESTAMP: bad value"))
+    counts = {}
+    for name in COLUMNS[1:]:
+        try:
+            v = np.array(columns[name]).astype(np.int64) if columns[name] else np.zeros(0, dtype=np.int64)
+            if (v < 0).any():
+                raise ValueError("negative")
+            counts[name] = v
+        except (ValueError, OverflowError):
+            counts[name] = None
+            for k, why in _bad_rows_int(columns[name]).items():
+                errors.setdefault(ok_rows[k], (name, why, f"{name}: bad value"))
+
+    if errors:
+        if on_error == "raise":
+            i = min(errors)
+            fld, msg, _ = errors[i]
+            raise TraceFormatError(msg, path=path, line=int(line_no[i]), field=fld)
+        for _, _, reason in errors.values():
+            report.reject(reason)
+        ok_rows = [i for i in ok_rows if i not in errors]
+        if not ok_rows:
+            raise TraceFormatError(f"no valid rows ({report.rows_rejected} rejected: {dict(report.rejected)})",
+                                   path=path)
+        # Re-convert the surviving rows (they all parse now).
+        ts = np.array([parts[i][col[0]].strip() for i in ok_rows], dtype="datetime64[ns]")
+        counts = {name: np.array([parts[i][c].strip() for i in ok_rows]).astype(np.int64)
+                  for name, c in zip(COLUMNS[1:], col[1:], strict=True)}
+
+    ctx, gen = counts["ContextTokens"], counts["GeneratedTokens"]
+    order = np.argsort(ts, kind="stable")
+    moved = int((order != np.arange(order.size)).sum())
+    if moved:
+        report.notes.append(f"rows not in time order: sorted stably by TIMESTAMP ({moved} rows moved)")
+        ts, ctx, gen = ts[order], ctx[order], gen[order]
+    t = (ts - ts[0]).astype(np.int64) / 1e9
+    report.notes.append("no sessions and no content hashes in this format: arrival times and lengths only")
+    return AzureProcess(t=t, context_tokens=ctx, generated_tokens=gen, start=str(ts[0]), path=str(path),
+                        report=report)
+
+
+def load(path: str | os.PathLike, **options) -> tuple[Trace, LoadReport]:
+    """A replayable no-reuse Trace of the Azure requests (unique keys, see the module docstring)."""
+    check_options(SOURCE, options, set(DEFAULTS))
+    opt = {**DEFAULTS, **options}
+    bs = int_option(SOURCE, "block_size", opt["block_size"], 1)
+    salt = int_option(SOURCE, "salt", opt["salt"], 0)
+    proc = load_process(path, on_error=opt["on_error"])
+    report = proc.report
+    n = len(proc)
+    n_blocks = proc.context_tokens // bs
+    offsets = csr(n_blocks)
+    n_keys = int(offsets[-1])
+    with np.errstate(over="ignore"):
+        content = np.arange(n_keys, dtype=np.uint64) + _CONTENT_TAG
+    # Every block hashed as a one-block prefix: one vectorised pass instead of one per block position, and as the
+    # contents are distinct, so are the keys (nothing here is shared, so nothing needs the chain).
+    keys = chain_keys(content, np.arange(n_keys + 1, dtype=np.int64), salt=salt)
+    report.notes += [
+        f"no content hashes: every full {bs}-token prompt block gets a unique key (a no-reuse baseline); block "
+        f"types UNKNOWN; no output blocks",
+        "requests are single-turn (session -1, turn 1, app SINGLE_TURN): the trace has no sessions",
+    ]
+    meta = {"source": SOURCE, "path": str(path), "format": "azure-llm-2023-csv", "time_unit": "s",
+            "start": proc.start, "block_size": bs, "keys": "unique (no content in the trace)", "salt": salt,
+            "sessions": "none", "types": "unknown", "rows_rejected": report.rows_rejected}
+    trace = Trace(t=proc.t, session=np.full(n, -1, dtype=np.int64), turn=np.ones(n, dtype=np.int32),
+                  app=np.full(n, int(AppType.SINGLE_TURN), dtype=np.int8), prompt_tokens=proc.context_tokens,
+                  output_tokens=proc.generated_tokens, prompt_offsets=offsets, prompt_keys=keys,
+                  prompt_types=np.full(keys.size, int(TokenType.UNKNOWN), dtype=np.int8), block_size=bs,
+                  meta=meta)
+    return trace, report
