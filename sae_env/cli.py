@@ -142,6 +142,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.block_size is not None and trace.block_size != args.block_size:
         raise UsageError(f"--block-size {args.block_size} does not match the trace's block size {trace.block_size}")
     print(report, file=sys.stderr)
+    if args.load is not None:
+        trace = apply_load(trace, args.serving, args.load)
     distinct = trace.distinct_blocks()
     kv_bytes = None
     if args.serving != "instant":
@@ -161,6 +163,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         summary["oracle"] = policy.oracle
         summary["distinct_blocks"] = distinct
         summary["serving"] = args.serving
+        summary["load"] = args.load
         summary["decision_us_per_request"] = 1e6 * rep.wall_s / max(len(trace), 1)  # wall clock, not a metric
         results.append(summary)
     print(f"{len(trace)} requests, {trace.n_blocks} prompt blocks, {distinct} distinct blocks, "
@@ -175,13 +178,25 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def apply_load(trace: Trace, serving: str, target: float) -> Trace:
+    """Rescale arrival times so that the uncached prefill work over the trace span equals ``target``."""
+    from sae_env.serving import make_server, scale_to_utilisation
+
+    server = make_server(serving)
+    if not server.timed:
+        raise UsageError("--load needs a timed serving model (e.g. --serving qwen2.5-1.5b@a40), not 'instant'")
+    service = server.cost.prefill_times(trace.prompt_tokens, 0)
+    return trace.with_times(scale_to_utilisation(trace.t, service, target))
+
+
 def cmd_default(args: argparse.Namespace) -> int:
     """``python train.py`` with no subcommand: characterise and replay the embedded default trace."""
     t0 = time.perf_counter()
     ns = argparse.Namespace(trace=DEFAULT_TRACE, source=None, opt=None, json=None, plots=None)
     cmd_characterize(ns)
     ns = argparse.Namespace(trace=DEFAULT_TRACE, source=None, opt=None, json=None, policy="lru,lfu,s3fifo,belady",
-                            capacity="0.1", serving="qwen2.5-1.5b@a40", block_size=None, window=1000, progress=True)
+                            capacity="0.1", serving="qwen2.5-1.5b@a40", block_size=None, window=1000, progress=True,
+                            load=0.8)
     cmd_replay(ns)
     print(f"done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
@@ -225,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "or KV bytes ('2GiB', needs a serving preset)")
     r.add_argument("--serving", default="instant", help="'instant' (no time passes) or a preset: "
                    "qwen2.5-1.5b@a40, qwen2.5-1.5b@h200")
+    r.add_argument("--load", type=float, metavar="U", help="rescale arrivals to a target utilisation U of the "
+                   "prefill server (uncached work / trace span; e.g. 0.7)")
     r.add_argument("--block-size", type=int, help="block size in tokens (text sources re-cut; must match "
                    "hash-only traces)")
     r.add_argument("--window", type=int, default=1000, help="requests per window (default 1000)")

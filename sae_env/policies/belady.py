@@ -1,7 +1,7 @@
 """Belady's MIN (offline oracle): evict the evictable leaf whose next use lies furthest in the future.
 
 "Next use" of a block accessed by request ``i`` is the index of the next later request whose prompt (or output,
-if it is shared) contains the same key; never again = +inf. Next uses are computed once, by one backward pass
+if it is shared) contains the same key, after the latest request admitted so far; never again = +inf. Next uses are computed once, by one backward pass
 (a stable sort by key) over the whole trace in :meth:`bind`, and arrive with each request through
 :meth:`on_request` / :meth:`on_complete`: the same interface as every online policy, with extra knowledge.
 
@@ -59,6 +59,7 @@ class BeladyPolicy(KeyedPolicy):
         self._cur_prompt: list[int] = []
         self._cur_output: list[int] = []
         self._cur_n_prompt = 0
+        self._frontier = -1  # the latest request admitted: a "next use" must lie after it
 
     def bind(self, trace: Trace) -> None:
         self._trace = trace
@@ -74,6 +75,7 @@ class BeladyPolicy(KeyedPolicy):
         self._cur_n_prompt = len(self._cur_prompt)
 
     def on_request(self, trace: Trace, i: int, now: float) -> None:
+        self._frontier = i
         self._context(trace, i)
 
     def on_complete(self, trace: Trace, i: int, now: float) -> None:
@@ -81,9 +83,14 @@ class BeladyPolicy(KeyedPolicy):
 
     def _next(self, block: Block) -> int:
         d = block.depth
-        if d < self._cur_n_prompt:
-            return self._cur_prompt[d]
-        return self._cur_output[d - self._cur_n_prompt]
+        nu = self._cur_prompt[d] if d < self._cur_n_prompt else self._cur_output[d - self._cur_n_prompt]
+        # With a serving model, outputs are inserted when their request completes, possibly after later requests
+        # were admitted; a use by one of those is in the past. A key sits at the same depth in every sequence, so
+        # its next occurrence after request j is the next use recorded at position (j, depth).
+        offsets, prompt_next = self._trace.prompt_offsets, self._prompt_next
+        while nu <= self._frontier:
+            nu = int(prompt_next[offsets[nu] + d])
+        return nu
 
     def on_insert(self, block: Block, now: float) -> None:
         block.pdata = self._next(block)

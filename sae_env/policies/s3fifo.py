@@ -6,8 +6,11 @@ keeps the rest with CLOCK-style second chances, and a ghost FIFO G remembers key
 * evict: if S holds at least its share, take S's oldest: frequency >= ``move_to_main`` -> moved to M, otherwise
   evicted (its key to G); else take M's oldest: frequency > 0 -> reinserted into M with frequency - 1, otherwise
   evicted.
-* prefix caches only evict leaves that no request pins: a block that is not evictable when it reaches the end of
-  its queue is moved to the front of M, untouched, and the scan goes on (at most one full pass, then a bypass).
+* prefix caches only evict leaves that no request pins. A block that reaches the end of its queue while pinned is
+  moved to the newest end of M, untouched (it is in use). One that has cached children is parked outside the
+  queues (it cannot be evicted before them, and rescanning it on every eviction would cost O(cache)); when its last
+  child goes it returns to the oldest end of M, as its subtree has just proved cold. At most one pass over the
+  queues per eviction, then a bypass.
 
 Queue ids exposed in ``block.queue``: 0 = S, 1 = M.
 """
@@ -35,6 +38,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._small: OrderedDict[int, Block] = OrderedDict()  # oldest first
         self._main: OrderedDict[int, Block] = OrderedDict()  # oldest first
         self._ghost: OrderedDict[int, None] = OrderedDict()  # keys evicted from S, oldest first
+        self._parked: dict[int, Block] = {}  # blocks with cached children, outside the queues
         self._small_target = 1
         self._ghost_size = 1
 
@@ -63,6 +67,12 @@ class S3FIFOPolicy(EvictionPolicy):
         block.queue = MAIN
         self._main[block.key] = block
 
+    def on_leaf(self, block: Block) -> None:
+        if self._parked.pop(block.key, None) is not None:
+            block.queue = MAIN
+            self._main[block.key] = block
+            self._main.move_to_end(block.key, last=False)
+
     def evict(self, now: float) -> Block | None:
         small, main = self._small, self._main
         budget = len(small) + 2 * len(main) + 1  # one pass, plus second chances in M
@@ -70,7 +80,11 @@ class S3FIFOPolicy(EvictionPolicy):
             budget -= 1
             if small and (len(small) >= self._small_target or not main):
                 key, b = small.popitem(last=False)
-                if b.pdata >= self.move_to_main or b.pins or b.n_children:
+                if b.n_children:
+                    b.queue = MAIN
+                    self._parked[key] = b
+                    continue
+                if b.pdata >= self.move_to_main or b.pins:
                     self._to_main(b)
                     continue
                 self._ghost[key] = None
@@ -78,7 +92,10 @@ class S3FIFOPolicy(EvictionPolicy):
                     self._ghost.popitem(last=False)
                 return b
             key, b = main.popitem(last=False)
-            if b.pins or b.n_children:
+            if b.n_children:
+                self._parked[key] = b
+                continue
+            if b.pins:
                 main[key] = b
                 continue
             if b.pdata > 0:
@@ -89,9 +106,11 @@ class S3FIFOPolicy(EvictionPolicy):
         return None
 
     def occupancy_by_queue(self) -> dict[int, int]:
-        return {SMALL: len(self._small), MAIN: len(self._main)}
+        return {SMALL: len(self._small), MAIN: len(self._main) + len(self._parked)}
 
     def check_invariants(self) -> None:
-        held = set(self._small) | set(self._main)
-        if held != set(self.cache.blocks) or set(self._small) & set(self._main):
+        small, main, parked = set(self._small), set(self._main), set(self._parked)
+        if small | main | parked != set(self.cache.blocks) or small & main or parked & (small | main):
             raise RuntimeError("s3fifo: queues differ from the cached blocks")
+        if any(not b.n_children for b in self._parked.values()):
+            raise RuntimeError("s3fifo: a parked block has no children")
