@@ -18,7 +18,7 @@ events that change that state through a small hook interface (:class:`sae_env.po
 return a victim from :meth:`~sae_env.policies.base.EvictionPolicy.evict`; the cache checks that the victim really
 is evictable and raises ``RuntimeError`` if a policy breaks that invariant.
 
-Evicted keys go to a bounded *ghost* record (type, queue, time of eviction) so that a later request for one of
+Evicted keys go to a bounded *ghost* record (their type and queue) so that a later request for one of
 them is counted as a *miss after eviction* (a regretted eviction), per token type and per queue.
 """
 
@@ -127,8 +127,9 @@ class PrefixCache:
         self.policy = policy
         self.cache_outputs = cache_outputs
         self.blocks: dict[int, Block] = {}  # key -> Block, every cached block
-        # Evicted keys in eviction order (oldest first), bounded: key -> (type, queue, time evicted).
-        self.ghosts: OrderedDict[int, tuple[int, int, float]] = OrderedDict()
+        # Evicted keys in eviction order (oldest first), bounded: key -> queue * 8 + type, one small int (a
+        # tuple per ghost would cost more memory than the cached block itself).
+        self.ghosts: OrderedDict[int, int] = OrderedDict()
         self.ghost_capacity = self.capacity if ghost_capacity is None else int(ghost_capacity)
         # Counters since the last reset_counters(); the replay turns them into WindowStats.
         self.evictions = 0
@@ -278,7 +279,7 @@ class PrefixCache:
                 self.bypasses += len(keys) - j
                 return
             if k in ghosts:
-                btype, queue, _ = ghosts.pop(k)
+                queue, btype = divmod(ghosts.pop(k), 8)
                 self.miss_after_eviction[btype] += 1
                 self.miss_after_eviction_queue[queue] = self.miss_after_eviction_queue.get(queue, 0) + 1
             b = Block(k, parent, depth, types[j], now)
@@ -312,7 +313,7 @@ class PrefixCache:
         self.evictions += 1
         ghosts = self.ghosts
         if self.ghost_capacity > 0:
-            ghosts[victim.key] = (victim.type, victim.queue, now)
+            ghosts[victim.key] = victim.queue * 8 + victim.type
             if len(ghosts) > self.ghost_capacity:
                 ghosts.popitem(last=False)
         return True

@@ -47,6 +47,8 @@ def load_input(trace: str, source: str | None, options: dict[str, Any]) -> tuple
     from sae_env import data
     from sae_env.sources import load_source, source_names
 
+    if trace in ("synthetic", "mix") and not Path(trace).exists():
+        return load_source(trace, None, **options)  # generated from options / presets, no file
     if trace in data.ALL and not Path(trace).exists():
         path, default_source = data.ALL[trace]
         if trace == "taubench":
@@ -213,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     def trace_args(sp: argparse.ArgumentParser, positional: bool) -> None:
         from sae_env import data
 
-        help_ = (f"trace file, or an embedded trace: {', '.join(data.ALL)}")
+        help_ = (f"trace file, 'synthetic' (generated; options via --opt, e.g. --opt preset=shift), or an embedded "
+                 f"trace: {', '.join(data.ALL)}")
         if positional:
             sp.add_argument("trace", help=help_)
         else:
