@@ -30,6 +30,7 @@ class WindowStats:
     """Statistics of one replay window (``requests`` consecutive requests, or those in a time span)."""
 
     index: int  # window number, 0 = first
+    start: int  # index of the window's first request in the trace (its last is start + requests - 1)
     t_start: float  # trace time of the window's first arrival
     t_end: float  # trace time of its last arrival
     requests: int
@@ -53,6 +54,7 @@ class WindowStats:
     occupancy_by_type: list[int]
     ttft_ms: list[float] = field(default_factory=list, repr=False)  # first tokens produced in this window
     queue_ms: list[float] = field(default_factory=list, repr=False)
+    hits_per_request: list[int] = field(default_factory=list, repr=False)  # hit blocks of each request, in order
     policy: dict[str, Any] = field(default_factory=dict)  # policy-specific statistics (queues, gaps, params)
 
     # -- derived ---------------------------------------------------------------------------------------------
@@ -76,6 +78,7 @@ class WindowStats:
         if not with_samples:
             d.pop("ttft_ms")
             d.pop("queue_ms")
+            d.pop("hits_per_request")
         d["token_hit_rate"] = self.token_hit_rate
         d["block_hit_rate"] = self.block_hit_rate
         d["ttft_mean_ms"] = self.ttft_mean_ms

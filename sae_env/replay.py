@@ -252,7 +252,7 @@ class Replay:
         ttft, queue = self._pending_ttft, self._pending_queue
         self._pending_ttft, self._pending_queue = [], []
         return WindowStats(
-            index=len(self.windows), t_start=float(tr.t[a]), t_end=float(tr.t[b - 1]), requests=b - a,
+            index=len(self.windows), start=a, t_start=float(tr.t[a]), t_end=float(tr.t[b - 1]), requests=b - a,
             prompt_tokens=int(prompt_tokens.sum()), hit_tokens=int(hit_tokens.sum()),
             prompt_blocks=int(n_blocks.sum()), hit_blocks=int(h.sum()), evictions=cache.evictions,
             bypasses=cache.bypasses, inserted=cache.inserted, refs_by_type=refs_by_type.tolist(),
@@ -263,7 +263,7 @@ class Replay:
             app_mix=np.bincount(tr.app[a:b], minlength=N_APP_TYPES).tolist(), occupancy=len(cache),
             capacity=cache.capacity, occupancy_by_queue=self.policy.occupancy_by_queue(),
             occupancy_by_type=list(cache.occupancy_by_type),
-            ttft_ms=ttft, queue_ms=queue, policy=self.policy.window_stats())
+            ttft_ms=ttft, queue_ms=queue, hits_per_request=hits, policy=self.policy.window_stats())
 
 
 def replay(trace: Trace, policy: EvictionPolicy, capacity: int, server: Any = None, **kwargs: Any) -> Replay:
