@@ -17,6 +17,7 @@ POLICIES: dict[str, str] = {
     "fifo": "sae_env.policies.fifo:FIFOPolicy",
     "s3fifo": "sae_env.policies.s3fifo:S3FIFOPolicy",
     "belady": "sae_env.policies.belady:BeladyPolicy",
+    "lpc": "sae_env.policies.lpc:LPCPolicy",
     "saecache": "sae_env.policies.saecache:SAECachePolicy",
 }
 

@@ -2,13 +2,14 @@
 
 Algorithm. Every block is routed, when it is inserted, to one queue:
 
-* priority-eviction (PE): reasoning / chain-of-thought output blocks, and the non-template blocks (prompt and
-  output) of requests not expected to continue; emptied first;
+* priority-eviction (PE): reasoning / chain-of-thought output blocks (and the rest of an output that holds
+  reasoning: the next turn drops the reasoning, so no later prompt follows that branch), and the non-template
+  blocks (prompt and output) of requests not expected to continue; emptied first;
 * structural (ST): SYSTEM and TEMPLATE blocks (shared prompt structure: system prompts, tool schemas, templates);
 * chat (CH) and agent (AG): the other blocks of multi-turn sessions: later turns are known to be multi-turn (their
   ``app`` says chat or agent); a session's first request goes there when the session predictor says it will
-  continue (or, without a predictor, when its tool schemas mark it as an agent call; a server cannot tell a chat
-  that will continue from a single-turn request by rule).
+  continue; without a predictor, by rule from what the request shows: tool schemas (app = agent) -> agent, a
+  templated prompt (TEMPLATE blocks) -> single-turn, anything else -> chat (it may be a conversation's start).
 
 Within a queue, block ``b`` has priority ``P(b) = alpha_q * w_type(b) * p_q(b) / dt_b`` (lowest evicted first) where
 ``dt_b`` is the time since its last access (floored at ``min_dt``) and ``p_q`` its survival probability:
@@ -138,8 +139,12 @@ class SAECachePolicy(EvictionPolicy):
             if max(p_chat, p_agent) >= self.continue_threshold:
                 return AG if p_agent > p_chat else CH
             return PE
-        # By rule: a first request with tool schemas is visibly an agent call; chat vs single-turn is not visible.
-        return AG if app == AppType.AGENT else PE
+        # By rule, from what the request shows: tool schemas mark an agent call; a templated prompt (TEMPLATE
+        # blocks) an API-style single-turn request; anything else may be the start of a conversation.
+        if app == AppType.AGENT:
+            return AG
+        a, b = trace.prompt_offsets[i], trace.prompt_offsets[i + 1]
+        return PE if (trace.prompt_types[a:b] == TokenType.TEMPLATE).any() else CH
 
     def on_request(self, trace: Trace, i: int, now: float) -> None:
         q = self._session_queue(trace, i)
@@ -159,9 +164,15 @@ class SAECachePolicy(EvictionPolicy):
             self._sessions[s] = (now, q)
 
     def on_complete(self, trace: Trace, i: int, now: float) -> None:
-        s = int(trace.session[i])
-        known = self._sessions.get(s) if s >= 0 else None
-        self._output_queue = known[1] if known is not None else self._session_queue(trace, i)
+        a, b = trace.output_offsets[i], trace.output_offsets[i + 1]
+        if (trace.output_types[a:b] == TokenType.REASONING).any():
+            # The generation opened with reasoning, which the next turn's template drops: every block of this
+            # output (the answer too) lies on a branch no later prompt follows.
+            self._output_queue = PE
+        else:
+            s = int(trace.session[i])
+            known = self._sessions.get(s) if s >= 0 else None
+            self._output_queue = known[1] if known is not None else self._session_queue(trace, i)
         self._n_prompt = max(1, int(trace.prompt_offsets[i + 1] - trace.prompt_offsets[i]))
 
     def on_insert(self, block: Block, now: float) -> None:

@@ -395,6 +395,16 @@ def _merge(base: Any, over: Any) -> Any:
 PRESETS: dict[str, dict[str, Any]] = {
     # The defaults: templated + chat with reasoning + agent sessions in one phase.
     "heterogeneous": {},
+    # The same three kinds at 3 sessions/s with long reasoning, long unique user tails and bulky tool outputs: a
+    # contended cache, where what a policy keeps matters (LRU and Belady differ by ~5 points at 10 % capacity).
+    "contended": {
+        "phases": [{"duration": 600.0, "rate": 3.0, "mix": {"templated": 0.3, "chat": 0.4, "agent": 0.3},
+                    "name": "contended"}],
+        "chat": {"turns": {"mean": 5.0}, "response_tokens": {"mean": 500, "sigma": 0.8}, "reasoning_prob": 0.5,
+                 "reasoning_tokens": {"mean": 1500, "sigma": 0.8}},
+        "templated": {"user_tokens": {"mean": 600, "sigma": 0.8}, "n_templates": 256, "zipf_s": 0.9},
+        "agent": {"steps": {"mean": 5.0}, "tool_output_tokens": {"mean": 800, "sigma": 1.0}, "n_agents": 8},
+    },
     # Workload shift: templated-heavy -> chat-heavy -> agent-heavy, 600 s each.
     "shift": {"phases": [
         {"duration": 600.0, "rate": 1.0, "mix": {"templated": 0.8, "chat": 0.1, "agent": 0.1}, "name": "templated"},

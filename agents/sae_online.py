@@ -1,0 +1,196 @@
+"""SAECache's online learners: the paper's feedback loop, applied after every window from the window statistics.
+
+After each window (a :class:`~sae_env.metrics.WindowStats` and the policy's own counts) the learner moves every
+parameter of :class:`~sae_env.policies.saecache.SAECachePolicy`:
+
+* **token-type weights** ``w_type``: an exponential moving average towards a target that rises with the type's hit
+  rate and its *miss-after-eviction* rate (regretted evictions, seen through the cache's ghost record), both per
+  prompt reference, relative to the mean over the types present (a type that holds blocks but is never referenced,
+  such as reasoning, gets a target of 0). ``w <- (1 - type_rate) * w + type_rate * target``;
+* **log-normal (mu, sigma)** of the chat and agent queues: streaming maximum likelihood from the re-access gaps of
+  each queue (the inter-turn gaps of its sessions): sufficient statistics ``n, sum ln g, sum ln^2 g`` decayed by
+  ``gap_decay`` per window, then ``mu = mean ln g``, ``sigma = std ln g``;
+* **position decay gamma**: the structural blocks' hit ratio by relative offset ``x`` (in 10 bins), normalised by
+  the first bin, is fitted by least squares to ``1 - x ** gamma`` over a log grid; the fit moves gamma by an EMA in
+  log space (``gamma_rate``). A small gamma means hits fall off right after the head of a prompt, a large one that
+  they stay until its tail;
+* **queue weights alpha**: each queue's hit blocks per block it holds, divided by the mean over the queues, through
+  a softmax of temperature ``temperature``, scaled so that the weights average 1, then an EMA in log space
+  (``alpha_rate``). The priority-eviction queue has no weight (it is emptied first).
+
+Meta-parameters and defaults are in :class:`OnlineConfig`. The same learner runs as a replay callback
+(:meth:`SAEOnlineLearner.callback`, so ``python train.py replay --policy saecache`` is the full adaptive method)
+and inside the Gymnasium environment through ``agents.SAEOnlineAgent``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from sae_env.metrics import WindowStats
+from sae_env.policies.saecache import AG, CH, PARAM_SPECS, ST, SAECachePolicy
+from sae_env.trace import TokenType, Trace
+
+_SPECS = {p.name: p for p in PARAM_SPECS}
+_GAMMA_GRID = np.exp(np.linspace(math.log(0.05), math.log(20.0), 81))
+_X_BINS = 10
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    """Meta-parameters of the feedback loop (the only knobs; everything else is learned)."""
+
+    type_rate: float = 0.3  # EMA rate of the token-type weights
+    mae_weight: float = 4.0  # weight of the miss-after-eviction rate against the hit rate in a type's target
+    gap_decay: float = 0.7  # per-window forgetting factor of the gap statistics (1 = never forget)
+    min_gaps: int = 10  # gaps needed before (mu, sigma) are refitted
+    gamma_rate: float = 0.3  # EMA rate (log space) of gamma
+    min_structural_refs: int = 50  # structural references per window needed to refit gamma
+    alpha_rate: float = 0.3  # EMA rate (log space) of the queue weights
+    temperature: float = 3.0  # softmax temperature over relative queue efficiencies (lower = sharper)
+
+    def __post_init__(self):
+        for name in ("type_rate", "gamma_rate", "alpha_rate"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"OnlineConfig.{name} must lie in [0, 1], got {getattr(self, name)}")
+        if not 0 < self.gap_decay <= 1:
+            raise ValueError(f"OnlineConfig.gap_decay must lie in (0, 1], got {self.gap_decay}")
+        if not self.temperature > 0:
+            raise ValueError(f"OnlineConfig.temperature must be positive, got {self.temperature}")
+
+
+def _clip(name: str, v: float) -> float:
+    return _SPECS[name].clip(v)
+
+
+def lognormal_mle(gaps: np.ndarray) -> tuple[float, float]:
+    """Maximum-likelihood (mu, sigma) of a log-normal from positive samples."""
+    lg = np.log(np.asarray(gaps, dtype=np.float64))
+    return float(lg.mean()), float(lg.std())
+
+
+def fit_gamma(x: np.ndarray, hit_ratio: np.ndarray, weight: np.ndarray) -> float | None:
+    """Least-squares gamma of ``hit_ratio / hit_ratio[0] ~ 1 - x ** gamma`` over a log grid (None if no signal)."""
+    ok = weight > 0
+    if ok.sum() < 2 or hit_ratio[ok][0] <= 0:
+        return None
+    x, h, w = x[ok], hit_ratio[ok] / hit_ratio[ok][0], weight[ok]
+    model = 1.0 - x[None, :] ** _GAMMA_GRID[:, None]
+    err = (w[None, :] * (np.clip(h, 0, 1)[None, :] - model) ** 2).sum(axis=1)
+    return float(_GAMMA_GRID[int(np.argmin(err))])
+
+
+def structural_offset_profile(trace: Trace, stats: WindowStats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bin centres, hit ratio and references of SYSTEM/TEMPLATE prompt blocks by relative offset in a window."""
+    a, b = stats.start, stats.start + stats.requests
+    off = trace.prompt_offsets
+    n_blocks = np.diff(off[a:b + 1])
+    types = trace.prompt_types[off[a]:off[b]]
+    pos = np.arange(types.size, dtype=np.int64) - np.repeat(off[a:b] - off[a], n_blocks)
+    n_of = np.repeat(np.maximum(n_blocks, 1), n_blocks)
+    hit = pos < np.repeat(np.asarray(stats.hits_per_request, dtype=np.int64), n_blocks)
+    st = types <= TokenType.TEMPLATE
+    xbin = np.minimum((pos[st] * _X_BINS) // n_of[st], _X_BINS - 1)
+    refs = np.bincount(xbin, minlength=_X_BINS).astype(np.float64)
+    hits = np.bincount(xbin[hit[st]], minlength=_X_BINS).astype(np.float64)
+    centres = (np.arange(_X_BINS) + 0.5) / _X_BINS
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(refs > 0, hits / refs, 0.0)
+    return centres, ratio, refs
+
+
+class SAEOnlineLearner:
+    """Sets a SAECache policy's parameters after each window (see the module docstring for the rules)."""
+
+    def __init__(self, config: OnlineConfig | None = None, **overrides: Any):
+        if config is not None and overrides:
+            raise ValueError("give an OnlineConfig or keyword overrides, not both")
+        self.config = config or OnlineConfig(**overrides)
+        self._gaps = {CH: np.zeros(3), AG: np.zeros(3)}
+        self.history: list[dict[str, float]] = []
+
+    def reset(self) -> None:
+        self._gaps = {CH: np.zeros(3), AG: np.zeros(3)}
+        self.history = []
+
+    # -- the feedback loop ---------------------------------------------------------------------------------
+    def propose(self, stats: WindowStats, policy: SAECachePolicy, trace: Trace | None) -> dict[str, float]:
+        """New parameter values from one window (does not apply them)."""
+        cfg = self.config
+        params = policy.params
+        new: dict[str, float] = {}
+        sw = policy.switches
+
+        if sw["type_weights"]:
+            refs = np.asarray(stats.refs_by_type, dtype=np.float64)
+            hits = np.asarray(stats.hits_by_type, dtype=np.float64)
+            mae = np.asarray(stats.miss_after_eviction_by_type, dtype=np.float64)
+            held = np.asarray(stats.occupancy_by_type, dtype=np.float64)
+            present = (refs > 0) | (held > 0)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                score = np.where(refs > 0, (hits + cfg.mae_weight * mae) / refs, 0.0)
+            if present.any() and score[present].mean() > 0:
+                target = score / score[present].mean()
+                for t in TokenType:
+                    if present[t]:
+                        name = f"w_{t.name.lower()}"
+                        new[name] = _clip(name, (1 - cfg.type_rate) * params[name] + cfg.type_rate * target[t])
+
+        gap_stats = stats.policy.get("gap_stats", {})
+        for q, key, mu_name, sigma_name in ((CH, "chat", "mu_chat", "sigma_chat"),
+                                            (AG, "agent", "mu_agent", "sigma_agent")):
+            window = np.asarray(gap_stats.get(key, (0, 0.0, 0.0)), dtype=np.float64)
+            self._gaps[q] = cfg.gap_decay * self._gaps[q] + window
+            n, s1, s2 = self._gaps[q]
+            if n >= cfg.min_gaps:
+                mu = s1 / n
+                sigma = math.sqrt(max(s2 / n - mu * mu, 0.0))
+                new[mu_name], new[sigma_name] = _clip(mu_name, mu), _clip(sigma_name, sigma)
+
+        if sw["position_decay"] and trace is not None and stats.hits_per_request:
+            x, ratio, refs = structural_offset_profile(trace, stats)
+            if refs.sum() >= cfg.min_structural_refs:
+                g = fit_gamma(x, ratio, refs)
+                if g is not None:
+                    lg = (1 - cfg.gamma_rate) * math.log(params["gamma"]) + cfg.gamma_rate * math.log(g)
+                    new["gamma"] = _clip("gamma", math.exp(lg))
+
+        if sw["adaptive_alpha"] and sw["multi_queue"]:
+            qh = stats.policy.get("queue_hits")
+            occ = stats.policy.get("queue_occupancy")
+            if qh and occ:
+                queues = [(q, name) for q, name in ((ST, "alpha_st"), (CH, "alpha_ch"), (AG, "alpha_ag"))
+                          if occ[q] > 0]
+                eff = np.array([qh[q] / occ[q] for q, _ in queues], dtype=np.float64)
+                if len(queues) >= 2 and eff.mean() > 0:
+                    z = eff / eff.mean() / cfg.temperature
+                    w = np.exp(z - z.max())
+                    target = w / w.mean()
+                    for (_, name), tgt in zip(queues, target, strict=True):
+                        lg = (1 - cfg.alpha_rate) * math.log(params[name]) + cfg.alpha_rate * math.log(
+                            max(tgt, _SPECS[name].low))
+                        new[name] = _clip(name, math.exp(lg))
+        return new
+
+    def update(self, stats: WindowStats, policy: SAECachePolicy, trace: Trace | None = None) -> dict[str, float]:
+        """Propose and apply new parameters; returns the policy's parameters after the update."""
+        new = self.propose(stats, policy, trace)
+        if new:
+            policy.set_params(new)
+        self.history.append(policy.params)
+        return policy.params
+
+    def callback(self):
+        """A :class:`~sae_env.replay.Replay` window callback running this learner."""
+        def on_window(stats: WindowStats, replay) -> None:
+            if not isinstance(replay.policy, SAECachePolicy):
+                raise TypeError(f"the SAECache learner needs a saecache policy, got {replay.policy.name!r}")
+            self.update(stats, replay.policy, replay.trace)
+        return on_window
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self.config)
