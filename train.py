@@ -1,9 +1,12 @@
 #!/usr/bin/env python
-"""SAECache-Gym's command line. ``python train.py --help`` lists the subcommands; the code is in sae_env/cli.py."""
+"""SAECache-Gym's command line. ``python train.py --help`` lists the subcommands.
+
+The core commands live in sae_env/cli.py; the agents package plugs its learners and subcommands in (agents/cli.py).
+"""
 
 import sys
 
-from sae_env.cli import main
+from agents.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,7 +9,8 @@ parameter of :class:`~sae_env.policies.saecache.SAECachePolicy`:
   such as reasoning, gets a target of 0). ``w <- (1 - type_rate) * w + type_rate * target``;
 * **log-normal (mu, sigma)** of the chat and agent queues: streaming maximum likelihood from the re-access gaps of
   each queue (the inter-turn gaps of its sessions): sufficient statistics ``n, sum ln g, sum ln^2 g`` decayed by
-  ``gap_decay`` per window, then ``mu = mean ln g``, ``sigma = std ln g``;
+  ``gap_decay`` per window, then ``mu = mean ln g``, ``sigma = std ln g``, with ``gap_prior`` pseudo-gaps at the
+  current values (a gap is seen only when the next turn comes, so early windows see the short ones alone);
 * **position decay gamma**: the structural blocks' hit ratio by relative offset ``x`` (in 10 bins), normalised by
   the first bin, is fitted by least squares to ``1 - x ** gamma`` over a log grid; the fit moves gamma by an EMA in
   log space (``gamma_rate``). A small gamma means hits fall off right after the head of a prompt, a large one that
@@ -48,6 +49,7 @@ class OnlineConfig:
     mae_weight: float = 4.0  # weight of the miss-after-eviction rate against the hit rate in a type's target
     gap_decay: float = 0.7  # per-window forgetting factor of the gap statistics (1 = never forget)
     min_gaps: int = 10  # gaps needed before (mu, sigma) are refitted
+    gap_prior: float = 50.0  # pseudo-gaps at the current (mu, sigma): early windows only see short gaps
     gamma_rate: float = 0.3  # EMA rate (log space) of gamma
     min_structural_refs: int = 50  # structural references per window needed to refit gamma
     alpha_rate: float = 0.3  # EMA rate (log space) of the queue weights
@@ -147,8 +149,11 @@ class SAEOnlineLearner:
             self._gaps[q] = cfg.gap_decay * self._gaps[q] + window
             n, s1, s2 = self._gaps[q]
             if n >= cfg.min_gaps:
-                mu = s1 / n
-                sigma = math.sqrt(max(s2 / n - mu * mu, 0.0))
+                # The prior shrinks the first fits towards the current values: a gap is only observed when the
+                # next turn arrives, so the first windows of a trace see the short gaps alone.
+                mu0, s0, n0 = params[mu_name], params[sigma_name], cfg.gap_prior
+                mu = (s1 + n0 * mu0) / (n + n0)
+                sigma = math.sqrt(max((s2 + n0 * (s0 * s0 + mu0 * mu0)) / (n + n0) - mu * mu, 0.0))
                 new[mu_name], new[sigma_name] = _clip(mu_name, mu), _clip(sigma_name, sigma)
 
         if sw["position_decay"] and trace is not None and stats.hits_per_request:

@@ -15,8 +15,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -27,6 +28,23 @@ DEFAULT_TRACE = "taubench"  # an embedded real trace (see sae_env/data/README.md
 
 class UsageError(ValueError):
     """A bad command line or input file: reported in one line, exit status 2."""
+
+
+class CliExtension(Protocol):
+    """How the ``agents`` package plugs into this command line without ``sae_env`` importing it.
+
+    ``train.py`` passes extensions to :func:`main`: they add subcommands (``predictor``, ``ppo``, ...), add options
+    to ``replay``, hand policies their learned components (``policy_options``) and attach learners to a replay
+    (``replay_callbacks``; e.g. SAECache's online feedback loop).
+    """
+
+    def add_commands(self, sub: Any) -> None: ...
+
+    def add_replay_options(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def policy_options(self, args: argparse.Namespace, policy: str) -> dict[str, Any]: ...
+
+    def replay_callbacks(self, args: argparse.Namespace, policy: Any) -> list: ...
 
 
 # -- helpers -------------------------------------------------------------------------------------------------------
@@ -156,16 +174,24 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise UsageError(f"capacity {capacity} blocks is more than 100x the trace's {distinct} distinct blocks; "
                          "use a fraction (e.g. 0.15) or a smaller number")
     results = []
+    extensions = getattr(args, "extensions", ())
     for name in names:
-        policy = make_policy(name)
+        options: dict[str, Any] = {}
+        for ext in extensions:
+            options.update(ext.policy_options(args, name))
+        policy = make_policy(name, **options)
+        callbacks = [cb for ext in extensions for cb in ext.replay_callbacks(args, policy)]
         server = make_server(args.serving)
-        rep = Replay(trace, PrefixCache(capacity, policy), server, window_requests=args.window)
+        rep = Replay(trace, PrefixCache(capacity, policy), server, window_requests=args.window,
+                     callbacks=callbacks)
         rep.run(progress=args.progress)
         summary = summarize(rep.windows, policy=name, block_size=trace.block_size, timed=server.timed)
         summary["oracle"] = policy.oracle
         summary["distinct_blocks"] = distinct
         summary["serving"] = args.serving
         summary["load"] = args.load
+        summary["adaptive"] = bool(callbacks)
+        summary["params"] = policy.params
         summary["decision_us_per_request"] = 1e6 * rep.wall_s / max(len(trace), 1)  # wall clock, not a metric
         results.append(summary)
     print(f"{len(trace)} requests, {trace.n_blocks} prompt blocks, {distinct} distinct blocks, "
@@ -194,19 +220,26 @@ def apply_load(trace: Trace, serving: str, target: float) -> Trace:
 def cmd_default(args: argparse.Namespace) -> int:
     """``python train.py`` with no subcommand: characterise and replay the embedded default trace."""
     t0 = time.perf_counter()
-    ns = argparse.Namespace(trace=DEFAULT_TRACE, source=None, opt=None, json=None, plots=None)
-    cmd_characterize(ns)
-    ns = argparse.Namespace(trace=DEFAULT_TRACE, source=None, opt=None, json=None, policy="lru,lfu,s3fifo,belady",
-                            capacity="0.1", serving="qwen2.5-1.5b@a40", block_size=None, window=1000, progress=True,
-                            load=0.8)
+    parser = build_parser(args.extensions)
+    cmd_characterize(parser.parse_args(["characterize", DEFAULT_TRACE]))
+    policies = ",".join(p for p in ("lru", "lfu", "s3fifo", "lpc", "saecache", "belady") if p in _policy_names())
+    ns = parser.parse_args(["replay", "--trace", DEFAULT_TRACE, "--policy", policies, "--capacity", "0.1",
+                            "--serving", "qwen2.5-1.5b@a40", "--load", "0.8", "--progress"])
+    ns.extensions = args.extensions
     cmd_replay(ns)
     print(f"done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
 
 
+def _policy_names() -> list[str]:
+    from sae_env.policies import policy_names
+
+    return policy_names()
+
+
 # -- parser --------------------------------------------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extensions: Sequence[CliExtension] = ()) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="train.py", description="SAECache-Gym: prefix-cache eviction agents in a "
                                 "Gymnasium environment. With no subcommand: characterise and replay the embedded "
                                 "default trace.")
@@ -247,16 +280,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "prefill server (uncached work / trace span; e.g. 0.7)")
     r.add_argument("--block-size", type=int, help="block size in tokens (text sources re-cut; must match "
                    "hash-only traces)")
-    r.add_argument("--window", type=int, default=1000, help="requests per window (default 1000)")
+    r.add_argument("--window", type=int, default=200, help="requests per window; adaptive policies learn after "
+                   "each window (default 200)")
     r.add_argument("--json", help="write the summary as JSON")
     r.add_argument("--progress", action="store_true", help="show a progress bar")
     r.set_defaults(func=cmd_replay)
+    for ext in extensions:
+        ext.add_replay_options(r)
+        ext.add_commands(sub)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, extensions: Sequence[CliExtension] = ()) -> int:
+    """Run the command line; ``extensions`` (from ``agents``) add subcommands and learned components."""
+    parser = build_parser(extensions)
     args = parser.parse_args(argv)
+    args.extensions = tuple(extensions)
     func = getattr(args, "func", cmd_default)
     try:
         return func(args)

@@ -125,9 +125,11 @@ class LPCPolicy(KeyedPolicy):
         return (self.fixed_tau if self.fixed_tau is not None else self._tau_learned) * self._params["tau_scale"]
 
     def params_changed(self) -> None:
+        old = getattr(self, "_shared_logit", None)
         self._shared_logit = _logit(self._params["p_shared"])
         self._shared = (self._shared_logit, _SHARED)
-        if self.cache is not None:
+        # agents may set parameters every window: re-key only when a key would change
+        if self.cache is not None and (self._shared_logit != old or self.tau != self._keyed_tau):
             self._rekey()
 
     def _rekey(self) -> None:

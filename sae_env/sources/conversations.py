@@ -42,7 +42,9 @@ Options: ``block_size`` (16), ``seed`` (0), ``arrival`` ("poisson", or "start_ti
 given), ``rate`` (0.5 sessions/s), ``start_times`` (array of session start times, at least one per session),
 ``gap_mu`` (4.88), ``gap_sigma`` (0.98), ``tokenizer`` (spec for :func:`~sae_env.tokenizer.get_tokenizer`,
 default the simple tokenizer), ``system_prompt`` (text prepended to every conversation as a system message),
-``max_conversations`` (stop after that many accepted conversations), ``on_error`` ("raise" | "skip").
+``max_conversations`` (stop after that many accepted conversations), ``on_error`` ("raise" | "skip"),
+``features`` (None, default, or ``"ngram"``: store one row per call in ``trace.features``, the hashed n-gram vector
+of the call's rendered prompt, see :func:`sae_env.features.chat_prompt_features`) and ``feature_dim`` (1536).
 With ``path=None`` the embedded WildChat excerpt is loaded.
 """
 
@@ -68,6 +70,7 @@ __all__ = [
     "ChatSession",
     "build_chat_trace",
     "common_setup",
+    "feature_option",
     "gap_note",
     "int_option",
     "load",
@@ -81,7 +84,8 @@ DEFAULT_GAP_MU = 4.88  # ln s; Mooncake conversation trace, inter-turn gaps fitt
 DEFAULT_GAP_SIGMA = 0.98
 DEFAULT_RATE = 0.5  # sessions per second
 
-COMMON_OPTIONS = {"block_size", "seed", "rate", "arrival", "start_times", "tokenizer", "on_error"}
+COMMON_OPTIONS = {"block_size", "seed", "rate", "arrival", "start_times", "tokenizer", "on_error", "features",
+                  "feature_dim"}
 _OPTIONS = COMMON_OPTIONS | {"gap_mu", "gap_sigma", "system_prompt", "max_conversations"}
 
 ROLE_ALIASES: dict[str, str] = {
@@ -307,8 +311,12 @@ def _csr(lengths: np.ndarray) -> np.ndarray:
 
 
 def build_chat_trace(sessions: Sequence[ChatSession], *, template: ChatTemplate, block_size: int,
-                     arrivals: Arrivals, rng: np.random.Generator, meta: Mapping[str, Any] | None = None) -> Trace:
-    """Render every assistant message of every session as one call and build the Trace (module docstring)."""
+                     arrivals: Arrivals, rng: np.random.Generator, meta: Mapping[str, Any] | None = None,
+                     feature_dim: int | None = None) -> Trace:
+    """Render every assistant message of every session as one call and build the Trace (module docstring).
+
+    ``feature_dim``: also store each call's prompt text features (:func:`sae_env.features.chat_prompt_features`).
+    """
     bs = int(block_size)
     gen_ids, gen_types = template.generation_prompt()
     g = gen_ids.size
@@ -377,12 +385,19 @@ def build_chat_trace(sessions: Sequence[ChatSession], *, template: ChatTemplate,
 
     counts = np.asarray(calls_per_session, dtype=np.int64)
     t = arrivals.call_times(counts, np.asarray(after_tool, dtype=bool), rng)
+    feats = None
+    if feature_dim is not None:
+        from sae_env.features import chat_prompt_features
+
+        feats = chat_prompt_features(sessions, template, feature_dim)
+        if feats.shape[0] != n_calls:
+            raise RuntimeError(f"text features for {feats.shape[0]} calls, the trace has {n_calls}")
     turn = np.arange(n_calls, dtype=np.int64) - np.repeat(_csr(counts)[:-1], counts) + 1
     trace = Trace(t=t, session=np.array([s.session for s in sessions], dtype=np.int64)[cs], turn=turn,
                   app=np.array([int(s.app) for s in sessions], dtype=np.int8)[cs], prompt_tokens=p + g,
                   output_tokens=o, prompt_offsets=po, prompt_keys=pk, prompt_types=seq_types[is_prompt],
-                  output_offsets=oo, output_keys=ok, output_types=seq_types[~is_prompt], block_size=bs,
-                  meta=dict(meta or {}), validate=False)
+                  output_offsets=oo, output_keys=ok, output_types=seq_types[~is_prompt], features=feats,
+                  block_size=bs, meta=dict(meta or {}), validate=False)
     return trace.with_times(t)  # sorts by time (stable) and validates
 
 
@@ -397,6 +412,27 @@ def common_setup(source: str, options: Mapping[str, Any]) -> tuple[int, np.rando
         raise ValueError(f"source '{source}': option 'on_error' must be 'raise' or 'skip', got {on_error!r}")
     template = ChatTemplate(get_tokenizer(options.get("tokenizer")))
     return bs, np.random.default_rng(seed), template, on_error
+
+
+def feature_option(source: str, options: Mapping[str, Any]) -> int | None:
+    """The text-feature dimension asked for by ``features`` / ``feature_dim`` (None = no features)."""
+    kind = options.get("features")
+    if kind is None or kind == "none":
+        if options.get("feature_dim") is not None:
+            raise ValueError(f"source '{source}': option 'feature_dim' needs features='ngram'")
+        return None
+    if kind != "ngram":
+        raise ValueError(f"source '{source}': option 'features' must be 'ngram' or None, got {kind!r}")
+    from sae_env.features import DEFAULT_TEXT_DIM
+
+    return int_option("feature_dim", options.get("feature_dim", DEFAULT_TEXT_DIM), 1)
+
+
+def feature_note(feature_dim: int | None) -> list[str]:
+    if feature_dim is None:
+        return []
+    return [f"features: hashed word 1-2-gram + byte 3-gram vector of each call's rendered prompt, {feature_dim} "
+            "dims, signed hashing, log1p counts, L2-normalised (sae_env.features)"]
 
 
 def gap_note(arrivals: Arrivals, tool: bool) -> str:
@@ -454,6 +490,7 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> tuple[Trace, 
         from sae_env.data import WILDCHAT
         path = WILDCHAT
     bs, rng, template, on_error = common_setup(SOURCE, options)
+    feature_dim = feature_option(SOURCE, options)
     arrivals = parse_arrivals(options, ("gap_mu", "gap_sigma", DEFAULT_GAP_MU, DEFAULT_GAP_SIGMA), None)
     system_prompt = options.get("system_prompt")
     if system_prompt is not None and not isinstance(system_prompt, str):
@@ -525,8 +562,12 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> tuple[Trace, 
             "block_size": bs, "seed": options.get("seed", 0), "sessions": len(sessions),
             "arrival": arrivals.arrival, "rate": arrivals.rate, "gap_mu": arrivals.user_gap[0],
             "gap_sigma": arrivals.user_gap[1], "system_prompt": system_prompt is not None}
-    trace = build_chat_trace(sessions, template=template, block_size=bs, arrivals=arrivals, rng=rng, meta=meta)
+    if feature_dim is not None:
+        meta["features"] = {"kind": "ngram", "dim": feature_dim}
+    trace = build_chat_trace(sessions, template=template, block_size=bs, arrivals=arrivals, rng=rng, meta=meta,
+                             feature_dim=feature_dim)
     report.notes += pipeline_notes(template, bs)
+    report.notes += feature_note(feature_dim)
     report.notes.append(gap_note(arrivals, tool=False))
     report.notes.append(f"{len(sessions)} conversations, {len(trace)} calls; app = chat when a conversation has more "
                         "than one assistant message, else single_turn")

@@ -20,8 +20,9 @@ Options: ``tools`` (path of the schemas file; default: ``airline_tools_schema.js
 ``{domain}_tools_schema.json[.gz]`` next to the trajectories, where ``domain`` is the file name up to its first
 ``_``; ``"none"`` renders no schemas), ``block_size`` (16), ``seed`` (0), ``arrival``, ``rate`` (0.5),
 ``start_times``, ``tool_gap_mu``, ``tool_gap_sigma``, ``user_gap_mu``, ``user_gap_sigma``, ``tokenizer``,
-``max_sessions``, ``on_error`` ("raise" | "skip" a malformed trajectory). With ``path=None`` the embedded
-airline trajectories and their schemas are loaded.
+``max_sessions``, ``on_error`` ("raise" | "skip" a malformed trajectory), ``features`` / ``feature_dim`` (per-call
+prompt text features, as for :mod:`~sae_env.sources.conversations`). With ``path=None`` the embedded airline
+trajectories and their schemas are loaded.
 
 Malformed input raises :class:`~sae_env.trace.TraceFormatError` naming the file, the line where the trajectory
 starts (the file is often a single line, so the field also names the trajectory index: ``[17].traj[4].role``).
@@ -43,6 +44,8 @@ from sae_env.sources.conversations import (
     ChatSession,
     build_chat_trace,
     common_setup,
+    feature_note,
+    feature_option,
     gap_note,
     int_option,
     normalize_messages,
@@ -130,6 +133,7 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> tuple[Trace, 
 
     path = Path(data.TAUBENCH if path is None else path)
     bs, rng, template, on_error = common_setup(SOURCE, options)
+    feature_dim = feature_option(SOURCE, options)
     arrivals = parse_arrivals(options, ("user_gap_mu", "user_gap_sigma", *DEFAULT_USER_GAP),
                               ("tool_gap_mu", "tool_gap_sigma", *DEFAULT_TOOL_GAP))
     max_sessions = options.get("max_sessions")
@@ -187,8 +191,12 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> tuple[Trace, 
             "tokenizer": template.tokenizer.name, "template": "chatml-qwen2.5", "block_size": bs,
             "seed": options.get("seed", 0), "sessions": len(sessions), "arrival": arrivals.arrival,
             "rate": arrivals.rate, "tool_gap": list(arrivals.tool_gap), "user_gap": list(arrivals.user_gap)}
-    trace = build_chat_trace(sessions, template=template, block_size=bs, arrivals=arrivals, rng=rng, meta=meta)
+    if feature_dim is not None:
+        meta["features"] = {"kind": "ngram", "dim": feature_dim}
+    trace = build_chat_trace(sessions, template=template, block_size=bs, arrivals=arrivals, rng=rng, meta=meta,
+                             feature_dim=feature_dim)
     report.notes += pipeline_notes(template, bs)
+    report.notes += feature_note(feature_dim)
     report.notes.append(gap_note(arrivals, tool=True))
     report.notes.append(f"{len(sessions)} sessions, {len(trace)} calls, app = agent; tool schemas: "
                         f"{'none' if tools is None else f'{len(tools)} from {tools_path}'}")
