@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from sae_env.trace import N_APP_TYPES, N_TOKEN_TYPES, AppType, TokenType, Trace
+from sae_env.trace import N_APP_TYPES, N_TOKEN_TYPES, AppType, TokenType, Trace, csr_offsets
 
 __all__ = ["characterize", "format_table", "offset_bucket", "session_gaps", "write_plots"]
 
@@ -88,12 +88,6 @@ def _n_distinct(a: np.ndarray) -> int:
     return int(a.size and 1 + (a[1:] != a[:-1]).sum())
 
 
-def _csr(lengths: np.ndarray) -> np.ndarray:
-    off = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=off[1:])
-    return off
-
-
 def _run_bounds(flags_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For a boolean "starts a new run" array (flags_new[0] must be True): each element's run start and run end."""
     n = flags_new.size
@@ -113,7 +107,7 @@ def _occurrence_stream(trace: Trace) -> dict[str, np.ndarray]:
     n_req = len(trace)
     p_len = np.diff(trace.prompt_offsets)
     o_len = np.diff(trace.output_offsets)
-    start = _csr(p_len + o_len)[:-1]
+    start = csr_offsets(p_len + o_len)[:-1]
     req_p = np.repeat(np.arange(n_req, dtype=np.int64), p_len)
     req_o = np.repeat(np.arange(n_req, dtype=np.int64), o_len)
     pos_p = np.arange(trace.n_blocks, dtype=np.int64) - trace.prompt_offsets[req_p]

@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from sae_env.trace import N_TOKEN_TYPES, AppType, Trace
+from sae_env.trace import N_TOKEN_TYPES, AppType, Trace, concat_ranges
 
 __all__ = [
     "DEFAULT_TEXT_DIM",
@@ -251,17 +251,6 @@ def chat_prompt_features(sessions: Sequence[Any], template: Any, dim: int = DEFA
 # Structural features (hash-only traces too)
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offs = np.zeros(lengths.size, dtype=np.int64)
-    np.cumsum(lengths[:-1], out=offs[1:])
-    return np.repeat(np.asarray(starts, dtype=np.int64) - offs, lengths) + np.arange(total, dtype=np.int64)
-
-
 def _other_sessions_before(trace: Trace, upto: int) -> np.ndarray:
     """For every prompt block reference of requests ``[0, upto)``: the number of distinct *other* sessions that
     used the same key in an earlier request (arrival order)."""
@@ -317,7 +306,7 @@ def structural_features(trace: Trace, idx: Sequence[int] | np.ndarray | None = N
     other = _other_sessions_before(trace, upto)
     po = trace.prompt_offsets
     nb = (po[idx + 1] - po[idx]).astype(np.int64)
-    pos = _ranges(po[idx], nb)  # flat positions of the requested requests' blocks
+    pos = concat_ranges(po[idx], nb)  # flat positions of the requested requests' blocks
     seg = np.repeat(np.arange(idx.size, dtype=np.int64), nb)
     oth = other[pos]
     m = idx.size

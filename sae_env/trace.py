@@ -39,7 +39,10 @@ __all__ = [
     "chain_keys",
     "chain_requests",
     "concat",
+    "concat_ranges",
     "content_hash",
+    "csr_offsets",
+    "mix64",
     "token_blocks",
     "load_trace_file",
 ]
@@ -127,8 +130,8 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _ROOT = np.uint64(0x2545F4914F6CDD1D)  # the "parent" of a prompt's first block
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a bijection on uint64 with good avalanche."""
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection on uint64 with good avalanche (returns a new array)."""
     with np.errstate(over="ignore"):
         x = x.copy()
         x ^= x >> np.uint64(30)
@@ -141,7 +144,7 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 
 def _combine(parent: np.ndarray, content: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
-        return _mix64(_mix64(parent ^ _GOLDEN) + content.astype(np.uint64, copy=False) * _GOLDEN)
+        return mix64(mix64(parent ^ _GOLDEN) + content.astype(np.uint64, copy=False) * _GOLDEN)
 
 
 def chain_keys(content_ids: np.ndarray, offsets: np.ndarray, salt: int = 0) -> np.ndarray:
@@ -162,7 +165,7 @@ def chain_keys(content_ids: np.ndarray, offsets: np.ndarray, salt: int = 0) -> n
     out = np.empty(content.size, dtype=np.uint64)
     if content.size == 0:
         return out.view(np.int64)
-    root = _mix64(np.array([_ROOT ^ np.uint64(salt & 0xFFFFFFFFFFFFFFFF)], dtype=np.uint64))[0]
+    root = mix64(np.array([_ROOT ^ np.uint64(salt & 0xFFFFFFFFFFFFFFFF)], dtype=np.uint64))[0]
     # Sort sequences by length (descending) so that the ones still alive at position j are a prefix.
     order = np.argsort(-lengths, kind="stable")
     starts = offsets[:-1][order]
@@ -229,7 +232,7 @@ def chain_requests(seq_content: np.ndarray, seq_offsets: np.ndarray, n_prompt_bl
     keys = chain_keys(seq_content, seq_offsets, salt=salt)
     pos = np.arange(keys.size, dtype=np.int64) - np.repeat(seq_offsets[:-1], lengths)
     is_prompt = pos < np.repeat(n_prompt, lengths)
-    return keys[is_prompt], _csr(n_prompt), keys[~is_prompt], _csr(lengths - n_prompt)
+    return keys[is_prompt], csr_offsets(n_prompt), keys[~is_prompt], csr_offsets(lengths - n_prompt)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -254,10 +257,21 @@ class Request:
     features: np.ndarray | None  # optional float32 features for learned components
 
 
-def _csr(lengths: np.ndarray) -> np.ndarray:
+def csr_offsets(lengths: np.ndarray) -> np.ndarray:
+    """CSR offsets (n + 1 entries, from 0) of rows with the given lengths."""
     off = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=off[1:])
     return off
+
+
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + n)`` for each ``(s, n)``, without a Python loop."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.repeat(np.asarray(starts, dtype=np.int64) - csr_offsets(lengths)[:-1], lengths) + np.arange(
+        total, dtype=np.int64)
 
 
 _REQ_FIELDS = ("t", "session", "turn", "app", "prompt_tokens", "output_tokens")
@@ -442,8 +456,8 @@ class Trace:
         o_sel = _gather(self.output_offsets, idx, o_len)
         return Trace(t=self.t[idx], session=self.session[idx], turn=self.turn[idx], app=self.app[idx],
                      prompt_tokens=self.prompt_tokens[idx], output_tokens=self.output_tokens[idx],
-                     prompt_offsets=_csr(p_len), prompt_keys=self.prompt_keys[p_sel],
-                     prompt_types=self.prompt_types[p_sel], output_offsets=_csr(o_len),
+                     prompt_offsets=csr_offsets(p_len), prompt_keys=self.prompt_keys[p_sel],
+                     prompt_types=self.prompt_types[p_sel], output_offsets=csr_offsets(o_len),
                      output_keys=self.output_keys[o_sel], output_types=self.output_types[o_sel],
                      features=None if self.features is None else self.features[idx],
                      block_size=self.block_size, meta=self.meta)
@@ -530,12 +544,7 @@ class Trace:
 
 def _gather(offsets: np.ndarray, idx: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Flat positions of the CSR rows ``idx`` (concatenated in that order)."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    starts = offsets[idx]
-    row_start = np.repeat(starts - _csr(lengths)[:-1], lengths)
-    return row_start + np.arange(total, dtype=np.int64)
+    return concat_ranges(offsets[idx], lengths)
 
 
 def _load_npz(path: Path) -> Trace:
@@ -673,9 +682,9 @@ class TraceBuilder:
         trace = Trace(
             t=t, session=self._cols["session"], turn=self._cols["turn"], app=self._cols["app"],
             prompt_tokens=self._cols["prompt_tokens"], output_tokens=self._cols["output_tokens"],
-            prompt_offsets=_csr(np.array([a.size for a in self._pk], dtype=np.int64)),
+            prompt_offsets=csr_offsets(np.array([a.size for a in self._pk], dtype=np.int64)),
             prompt_keys=cat(self._pk, np.int64), prompt_types=cat(self._pt, np.int8),
-            output_offsets=_csr(np.array([a.size for a in self._ok], dtype=np.int64)),
+            output_offsets=csr_offsets(np.array([a.size for a in self._ok], dtype=np.int64)),
             output_keys=cat(self._ok, np.int64), output_types=cat(self._ot, np.int8),
             features=feats, block_size=self.block_size, meta=self.meta, validate=False)
         if self.reordered:
@@ -702,8 +711,8 @@ def concat(traces: Sequence[Trace], meta: dict[str, Any] | None = None) -> Trace
     o_len = np.concatenate([np.diff(tr.output_offsets) for tr in traces])
     out = Trace(t=cat("t"), session=cat("session"), turn=cat("turn"), app=cat("app"),
                 prompt_tokens=cat("prompt_tokens"), output_tokens=cat("output_tokens"),
-                prompt_offsets=_csr(p_len), prompt_keys=cat("prompt_keys"), prompt_types=cat("prompt_types"),
-                output_offsets=_csr(o_len), output_keys=cat("output_keys"), output_types=cat("output_types"),
+                prompt_offsets=csr_offsets(p_len), prompt_keys=cat("prompt_keys"), prompt_types=cat("prompt_types"),
+                output_offsets=csr_offsets(o_len), output_keys=cat("output_keys"), output_types=cat("output_types"),
                 features=cat("features") if traces[0].features is not None else None,
                 block_size=traces[0].block_size, meta=meta or traces[0].meta, validate=False)
     order = np.argsort(out.t, kind="stable")

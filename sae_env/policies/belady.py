@@ -1,9 +1,10 @@
 """Belady's MIN (offline oracle): evict the evictable leaf whose next use lies furthest in the future.
 
 "Next use" of a block accessed by request ``i`` is the index of the next later request whose prompt (or output,
-if it is shared) contains the same key, after the latest request admitted so far; never again = +inf. Next uses are computed once, by one backward pass
-(a stable sort by key) over the whole trace in :meth:`bind`, and arrive with each request through
-:meth:`on_request` / :meth:`on_complete`: the same interface as every online policy, with extra knowledge.
+if it is shared) contains the same key, after the latest request admitted so far; never again = +inf. Next uses
+are computed once, by one backward pass (a stable sort by key) over the whole trace in :meth:`bind`, and arrive
+with each request through :meth:`on_request` / :meth:`on_complete`: the same interface as every online policy,
+with extra knowledge.
 
 A parent's next use is never later than its child's (a request that uses the child uses the parent), so with the
 tie-break "deeper first" the furthest-next-use evictable block is always a leaf, and MIN's choice is respected by

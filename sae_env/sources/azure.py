@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sae_env.sources._io import check_options, open_text
-from sae_env.sources.hashonly import check_on_error, csr, int_option, unreadable
-from sae_env.trace import AppType, LoadReport, TokenType, Trace, TraceFormatError, chain_keys
+from sae_env.sources.hashonly import check_on_error, int_option, unreadable
+from sae_env.trace import AppType, LoadReport, TokenType, Trace, TraceFormatError, chain_keys, csr_offsets
 
 __all__ = ["COLUMNS", "DEFAULTS", "AzureProcess", "load", "load_process"]
 
@@ -239,7 +239,7 @@ def load(path: str | os.PathLike, **options) -> tuple[Trace, LoadReport]:
     report = proc.report
     n = len(proc)
     n_blocks = proc.context_tokens // bs
-    offsets = csr(n_blocks)
+    offsets = csr_offsets(n_blocks)
     n_keys = int(offsets[-1])
     with np.errstate(over="ignore"):
         content = np.arange(n_keys, dtype=np.uint64) + _CONTENT_TAG

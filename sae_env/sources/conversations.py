@@ -61,7 +61,16 @@ import numpy as np
 
 from sae_env.sources._io import check_options, open_text
 from sae_env.tokenizer import ChatTemplate, get_tokenizer
-from sae_env.trace import AppType, LoadReport, Trace, TraceFormatError, chain_requests, token_blocks
+from sae_env.trace import (
+    AppType,
+    LoadReport,
+    Trace,
+    TraceFormatError,
+    chain_requests,
+    concat_ranges,
+    csr_offsets,
+    token_blocks,
+)
 
 __all__ = [
     "COMMON_OPTIONS",
@@ -222,7 +231,7 @@ class Arrivals:
         sigma = np.where(after_tool, self.tool_gap[1], self.user_gap[1])
         steps = rng.lognormal(mu, sigma) if mu.size else np.zeros(0)
         live = counts > 0  # a session without calls keeps its start draw (stable seeding) but places nothing
-        first = _csr(counts)[:-1][live]
+        first = csr_offsets(counts)[:-1][live]
         steps[first] = starts[live]
         # a cumulative sum per session: one global cumsum, minus what the earlier sessions contributed
         cs = np.cumsum(steps)
@@ -293,23 +302,6 @@ class ChatSession:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n), without a Python loop."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offs = np.zeros(lengths.size, dtype=np.int64)
-    np.cumsum(lengths[:-1], out=offs[1:])
-    return np.repeat(np.asarray(starts, dtype=np.int64) - offs, lengths) + np.arange(total, dtype=np.int64)
-
-
-def _csr(lengths: np.ndarray) -> np.ndarray:
-    off = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=off[1:])
-    return off
-
-
 def build_chat_trace(sessions: Sequence[ChatSession], *, template: ChatTemplate, block_size: int,
                      arrivals: Arrivals, rng: np.random.Generator, meta: Mapping[str, Any] | None = None,
                      feature_dim: int | None = None) -> Trace:
@@ -368,18 +360,18 @@ def build_chat_trace(sessions: Sequence[ChatSession], *, template: ChatTemplate,
     starts = np.concatenate([hs, np.stack([hs[cs] + n_hist_full * bs, np.zeros(n_calls, dtype=np.int64),
                                            np.asarray(call_out_start, dtype=np.int64)], axis=1).ravel()])
     lengths = np.concatenate([hist_blocks * bs, np.stack([a, b, c], axis=1).ravel()])
-    idx = _ranges(starts, lengths)
+    idx = concat_ranges(starts, lengths)
     content, btypes = token_blocks(tokens[idx], types[idx], bs)
 
-    hist_block0 = _csr(hist_blocks)[:-1]
-    tail_block0 = int(hist_blocks.sum()) + _csr(tail_blocks)[:-1]
-    seq_idx = _ranges(np.stack([hist_block0[cs], tail_block0], axis=1).ravel(),
+    hist_block0 = csr_offsets(hist_blocks)[:-1]
+    tail_block0 = int(hist_blocks.sum()) + csr_offsets(tail_blocks)[:-1]
+    seq_idx = concat_ranges(np.stack([hist_block0[cs], tail_block0], axis=1).ravel(),
                       np.stack([n_hist_full, tail_blocks], axis=1).ravel())
     seq_len = n_hist_full + tail_blocks
     n_prompt = (p + g) // bs
-    pk, po, ok, oo = chain_requests(content[seq_idx], _csr(seq_len), n_prompt)
+    pk, po, ok, oo = chain_requests(content[seq_idx], csr_offsets(seq_len), n_prompt)
     seq_types = btypes[seq_idx]
-    is_prompt = (np.arange(seq_idx.size) - np.repeat(_csr(seq_len)[:-1], seq_len)) < np.repeat(n_prompt, seq_len)
+    is_prompt = (np.arange(seq_idx.size) - np.repeat(csr_offsets(seq_len)[:-1], seq_len)) < np.repeat(n_prompt, seq_len)
     if pk.size + ok.size != seq_idx.size:
         raise RuntimeError("block split lost blocks")
 
@@ -392,7 +384,7 @@ def build_chat_trace(sessions: Sequence[ChatSession], *, template: ChatTemplate,
         feats = chat_prompt_features(sessions, template, feature_dim)
         if feats.shape[0] != n_calls:
             raise RuntimeError(f"text features for {feats.shape[0]} calls, the trace has {n_calls}")
-    turn = np.arange(n_calls, dtype=np.int64) - np.repeat(_csr(counts)[:-1], counts) + 1
+    turn = np.arange(n_calls, dtype=np.int64) - np.repeat(csr_offsets(counts)[:-1], counts) + 1
     trace = Trace(t=t, session=np.array([s.session for s in sessions], dtype=np.int64)[cs], turn=turn,
                   app=np.array([int(s.app) for s in sessions], dtype=np.int8)[cs], prompt_tokens=p + g,
                   output_tokens=o, prompt_offsets=po, prompt_keys=pk, prompt_types=seq_types[is_prompt],

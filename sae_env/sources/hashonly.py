@@ -47,7 +47,7 @@ from typing import IO
 
 import numpy as np
 
-from sae_env.trace import LoadReport, TokenType, TraceFormatError, chain_keys
+from sae_env.trace import LoadReport, TokenType, TraceFormatError, chain_keys, csr_offsets
 
 __all__ = [
     "HashRows",
@@ -57,7 +57,6 @@ __all__ = [
     "check_on_error",
     "common_prefix_len",
     "compact",
-    "csr",
     "infer_block_types",
     "infer_prefix_parents",
     "open_binary",
@@ -96,17 +95,10 @@ def int_option(source: str, name: str, value, minimum: int) -> int:
     return int(value)
 
 
-def csr(lengths: np.ndarray) -> np.ndarray:
-    """CSR offsets (n + 1 entries) of rows with the given lengths."""
-    off = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=off[1:])
-    return off
-
-
 def _positions(offsets: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Flat positions of CSR rows ``idx`` (in that order) and the new offsets of the gathered rows."""
     lengths = np.diff(offsets)[idx]
-    new_off = csr(lengths)
+    new_off = csr_offsets(lengths)
     total = int(new_off[-1])
     if total == 0:
         return np.zeros(0, dtype=np.int64), new_off
@@ -324,7 +316,7 @@ def read_rows(path: str | os.PathLike, fields: Mapping[str, str], *, block_size:
     if not lines:
         raise TraceFormatError(f"no valid rows ({report.rows_rejected} rejected: {dict(report.rejected)})",
                                path=path)
-    return HashRows(str(path), np.asarray(lines, dtype=np.int64), cols, ids, csr(lengths))
+    return HashRows(str(path), np.asarray(lines, dtype=np.int64), cols, ids, csr_offsets(lengths))
 
 
 def reject_rows(rows: HashRows, bad: np.ndarray, field: str, message: Callable[[int], str], reason: str,
@@ -373,7 +365,7 @@ def chain_blocks(ids: np.ndarray, offsets: np.ndarray, prompt_tokens: np.ndarray
     if (n_full > lengths).any():
         raise RuntimeError("a row has more full blocks than ids (the length check was skipped)")
     is_full = _local_index(offsets) < np.repeat(n_full, lengths)
-    return all_keys, is_full, all_keys[is_full], csr(n_full)
+    return all_keys, is_full, all_keys[is_full], csr_offsets(n_full)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -500,7 +492,7 @@ def common_prefix_len(keys: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: n
     total = int(m.sum())
     if total == 0:
         return out
-    seg = csr(m)
+    seg = csr_offsets(m)
     local = np.arange(total, dtype=np.int64) - np.repeat(seg[:-1], m)
     eq = keys[np.repeat(offsets[a], m) + local] == keys[np.repeat(offsets[b], m) + local]
     # The first mismatch (or the row's end) is the common prefix length.
@@ -560,7 +552,7 @@ def infer_block_types(kid: np.ndarray, n_kid: int, offsets: np.ndarray, parent: 
         cuts = np.flatnonzero(np.diff(d)) + 1
         for group in np.split(cand, cuts):
             cnt = inherited[group] - head[group]
-            seg = csr(cnt)
+            seg = csr_offsets(cnt)
             loc = np.arange(int(seg[-1]), dtype=np.int64) - np.repeat(seg[:-1], cnt) + np.repeat(head[group], cnt)
             dst = np.repeat(offsets[group], cnt) + loc
             src = np.repeat(offsets[parent[group]], cnt) + loc

@@ -50,7 +50,7 @@ import numpy as np
 
 from sae_env.sources._io import check_options
 from sae_env.sources.synthetic import phase_of, poisson_arrivals, read_config_file
-from sae_env.trace import LoadReport, Trace
+from sae_env.trace import LoadReport, Trace, csr_offsets, mix64
 
 __all__ = ["Component", "MixConfig", "MixPhase", "ON_EXHAUSTED", "component_of", "interleave", "load", "phase_of"]
 
@@ -212,40 +212,22 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SALT_BASE = np.uint64(0x6A09E667F3BCC909)
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a bijection on uint64."""
-    with np.errstate(over="ignore"):
-        x = x.copy()
-        x ^= x >> np.uint64(30)
-        x *= _M1
-        x ^= x >> np.uint64(27)
-        x *= _M2
-        x ^= x >> np.uint64(31)
-    return x
-
-
 def salt_keys(keys: np.ndarray, salt: np.ndarray | int) -> np.ndarray:
     """``key -> mix64(key ^ h(salt))`` per key: a bijection for each salt value (keeps all (in)equalities)."""
     keys = np.asarray(keys, dtype=np.int64).view(np.uint64)
     s = np.broadcast_to(np.asarray(salt, dtype=np.uint64), keys.shape)
     with np.errstate(over="ignore"):
-        h = _mix64(s * _GOLDEN + _SALT_BASE)
-    return _mix64(keys ^ h).view(np.int64)
+        h = mix64(s * _GOLDEN + _SALT_BASE)
+    return mix64(keys ^ h).view(np.int64)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Interleaving
 
 
-def _csr(lengths: np.ndarray) -> np.ndarray:
-    off = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=off[1:])
-    return off
-
-
 def _ranks(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     owner = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
-    pos = np.arange(owner.size, dtype=np.int64) - np.repeat(_csr(lengths)[:-1], lengths)
+    pos = np.arange(owner.size, dtype=np.int64) - np.repeat(csr_offsets(lengths)[:-1], lengths)
     return owner, pos
 
 
@@ -276,7 +258,7 @@ def _sessions(trace: Trace) -> _Sessions:
     order = np.lexsort((np.arange(len(trace)), srank))
     counts = np.bincount(srank, minlength=uniq.size)
     rel_t = trace.t - trace.t[first[by_first]][srank]
-    return _Sessions(order=order, offsets=_csr(counts), rel_t=rel_t, origin=uniq[by_first])
+    return _Sessions(order=order, offsets=csr_offsets(counts), rel_t=rel_t, origin=uniq[by_first])
 
 
 def interleave(traces: Sequence[Trace], config: MixConfig) -> tuple[Trace, dict[str, Any]]:
@@ -325,10 +307,10 @@ def interleave(traces: Sequence[Trace], config: MixConfig) -> tuple[Trace, dict[
     salt = comp + n_comp * pass_ if config.on_exhausted == "cycle" else comp
 
     # A library of all components' requests, stacked (component c's request j is lib index base[c] + j).
-    req_base = _csr(np.array([len(tr) for tr in traces], dtype=np.int64))
-    sess_base = _csr(n_sess)
+    req_base = csr_offsets(np.array([len(tr) for tr in traces], dtype=np.int64))
+    sess_base = csr_offsets(n_sess)
     lib_order = np.concatenate([g.order + req_base[c] for c, g in enumerate(groups)])
-    lib_sess_off = _csr(np.concatenate([np.diff(g.offsets) for g in groups]))
+    lib_sess_off = csr_offsets(np.concatenate([np.diff(g.offsets) for g in groups]))
     lib_rel_t = np.concatenate([g.rel_t for g in groups])
 
     pos_in_lib, n_req = _gather(lib_sess_off, sess_base[comp] + sess)
@@ -343,13 +325,13 @@ def interleave(traces: Sequence[Trace], config: MixConfig) -> tuple[Trace, dict[
 
     cols: dict[str, np.ndarray] = {}
     for kind in ("prompt", "output"):
-        off = _csr(np.concatenate([np.diff(getattr(tr, f"{kind}_offsets")) for tr in traces]))
+        off = csr_offsets(np.concatenate([np.diff(getattr(tr, f"{kind}_offsets")) for tr in traces]))
         keys = np.concatenate([getattr(tr, f"{kind}_keys") for tr in traces])
         types = np.concatenate([getattr(tr, f"{kind}_types") for tr in traces])
         flat, lengths = _gather(off, req)
         cols[f"{kind}_keys"] = salt_keys(keys[flat], np.repeat(salt[inst], lengths))
         cols[f"{kind}_types"] = types[flat]
-        cols[f"{kind}_offsets"] = _csr(lengths)
+        cols[f"{kind}_offsets"] = csr_offsets(lengths)
 
     widths = {None if tr.features is None else tr.features.shape[1] for tr in traces}
     features = None

@@ -63,7 +63,16 @@ from typing import Any
 import numpy as np
 
 from sae_env.sources._io import check_options, open_text
-from sae_env.trace import AppType, LoadReport, TokenType, Trace, TraceFormatError, chain_requests, content_hash
+from sae_env.trace import (
+    AppType,
+    LoadReport,
+    TokenType,
+    Trace,
+    TraceFormatError,
+    chain_requests,
+    content_hash,
+    csr_offsets,
+)
 
 __all__ = [
     "AgentConfig",
@@ -519,17 +528,11 @@ def phase_of(trace: Trace, by: str = "session") -> np.ndarray:
 # The plan: sessions, requests and their segment lists
 
 
-def _csr(lengths: np.ndarray) -> np.ndarray:
-    off = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=off[1:])
-    return off
-
-
 def _ranks(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For CSR groups of the given lengths: the group index and the position within the group of each element."""
     lengths = np.asarray(lengths, dtype=np.int64)
     owner = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
-    pos = np.arange(owner.size, dtype=np.int64) - np.repeat(_csr(lengths)[:-1], lengths)
+    pos = np.arange(owner.size, dtype=np.int64) - np.repeat(csr_offsets(lengths)[:-1], lengths)
     return owner, pos
 
 
@@ -604,7 +607,7 @@ def _turn_times(rng: np.random.Generator, counts: np.ndarray, mu: float, sigma: 
     gaps = rng.lognormal(mu, sigma, owner.size)
     gaps[pos == 0] = 0.0
     cum = np.cumsum(gaps)  # counts are >= 1, so every session owns its first entry
-    return cum - np.repeat(cum[_csr(counts)[:-1]], counts) if owner.size else cum
+    return cum - np.repeat(cum[csr_offsets(counts)[:-1]], counts) if owner.size else cum
 
 
 def _reasoning(rng: np.random.Generator, table: _SegmentTable, n: int, prob: float, length: Length) -> np.ndarray:
@@ -639,7 +642,7 @@ def _chat(rng: np.random.Generator, cfg: ChatConfig, table: _SegmentTable, n: in
     resp = table.add(cfg.response_tokens.sample(rng, owner.size), TokenType.ASSISTANT)
     reason = _reasoning(rng, table, owner.size, cfg.reasoning_prob, cfg.reasoning_tokens)
     rel_t = _turn_times(rng, turns, cfg.gap_mu, cfg.gap_sigma)
-    off = _csr(1 + 2 * turns)
+    off = csr_offsets(1 + 2 * turns)
     stream = np.empty(off[-1], dtype=np.int64)
     stream[off[:-1]] = sys_pool[sys]
     stream[off[owner] + 1 + 2 * k] = users
@@ -665,7 +668,7 @@ def _agent(rng: np.random.Generator, cfg: AgentConfig, table: _SegmentTable, n: 
     obs = table.add(obs_len, np.where(is_user, TokenType.USER, TokenType.TOOL_OUTPUT))
     reason = _reasoning(rng, table, owner.size, cfg.reasoning_prob, cfg.reasoning_tokens)
     rel_t = _turn_times(rng, steps, cfg.gap_mu, cfg.gap_sigma)
-    off = _csr(2 * steps + 2)
+    off = csr_offsets(2 * steps + 2)
     stream = np.empty(off[-1], dtype=np.int64)
     stream[off[:-1]] = sys_pool[agent]
     stream[off[:-1] + 1] = tools_pool[agent]
@@ -731,7 +734,7 @@ def plan(config: SyntheticConfig) -> Plan:
     return Plan(block_size=config.block_size, seed=config.seed, seg_len=seg_len, seg_type=seg_type, t=c["t"],
                 session=c["session"],
                 turn=c["turn"].astype(np.int32), kind=c["kind"], phase=sess_phase[c["session"]], reasoning=has_r,
-                template=c["template"], segs=segs, seg_offsets=_csr(n_segs), n_prompt_segs=c["n_prompt"],
+                template=c["template"], segs=segs, seg_offsets=csr_offsets(n_segs), n_prompt_segs=c["n_prompt"],
                 session_start=starts, session_kind=sess_kind, session_phase=sess_phase)
 
 
@@ -790,7 +793,7 @@ def _blocks(p: Plan) -> dict[str, np.ndarray]:
             cols.append((hi[a] - fstart[m1[a]]).astype(np.uint64))
             content[multi[a]] = content_hash(np.stack(cols, axis=1))
 
-    seq_off = _csr(n_blocks)
+    seq_off = csr_offsets(n_blocks)
     pk, po, ok, oo = chain_requests(content, seq_off, n_prompt_blocks)
     is_prompt = b < n_prompt_blocks[owner]
     return {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "prompt_keys": pk, "prompt_offsets": po,
