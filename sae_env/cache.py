@@ -66,7 +66,8 @@ def resolve_capacity(capacity: float | int | str, distinct_blocks: int | None = 
                      kv_bytes_per_token: int | None = None, block_size: int | None = None) -> int:
     """Capacity in blocks from a number of blocks, a fraction of the trace's distinct blocks, or KV bytes.
 
-    Accepted: an int >= 1 (blocks); a float in (0, 1] (fraction of ``distinct_blocks``); a string ``"12%"``
+    Accepted: an int >= 1 (blocks; a whole float above 1 too); a float in (0, 1] (fraction of ``distinct_blocks``,
+    so ``1.0`` is all of them); a string ``"12%"``
     (percentage of distinct blocks), ``"8GiB"`` / ``"500MB"`` (bytes of KV memory, needs ``kv_bytes_per_token`` and
     ``block_size``) or a plain number.
     """
@@ -100,9 +101,9 @@ def resolve_capacity(capacity: float | int | str, distinct_blocks: int | None = 
         raise ValueError(f"capacity must be a number or a string, got {capacity!r}")
     if not np.isfinite(capacity) or capacity <= 0:
         raise ValueError(f"capacity must be positive, got {capacity}")
-    if isinstance(capacity, (float, np.floating)) and not float(capacity).is_integer() or 0 < capacity < 1:
-        if capacity > 1:
-            raise ValueError(f"capacity {capacity} is neither a whole number of blocks nor a fraction in (0, 1]")
+    if isinstance(capacity, (float, np.floating)) and capacity > 1 and not float(capacity).is_integer():
+        raise ValueError(f"capacity {capacity} is neither a whole number of blocks nor a fraction in (0, 1]")
+    if isinstance(capacity, (float, np.floating)) and capacity <= 1:  # a fraction of the distinct blocks, 1.0 = all
         if distinct_blocks is None:
             raise ValueError("a fractional capacity needs the trace's number of distinct blocks")
         return max(1, int(round(capacity * distinct_blocks)))
@@ -275,13 +276,15 @@ class PrefixCache:
                 parent = b
                 depth += 1
                 continue
-            if len(blocks) >= self.capacity and not self._evict_one(now):
-                self.bypasses += len(keys) - j
-                return
             if k in ghosts:
+                # Looked up before evicting: the eviction that makes room could push this very key out of a full
+                # ghost record.
                 queue, btype = divmod(ghosts.pop(k), 8)
                 self.miss_after_eviction[btype] += 1
                 self.miss_after_eviction_queue[queue] = self.miss_after_eviction_queue.get(queue, 0) + 1
+            if len(blocks) >= self.capacity and not self._evict_one(now):
+                self.bypasses += len(keys) - j
+                return
             b = Block(k, parent, depth, types[j], now)
             b.pins = 1
             blocks[k] = b

@@ -23,29 +23,36 @@ from sae_env.trace import Trace
 NEVER = np.iinfo(np.int64).max
 
 
-def next_uses(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
-    """For every prompt and output occurrence, the index of the next later request using the same key."""
+def next_uses(trace: Trace, include_outputs: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The chain of uses of every key: ``(next_occ, occ_req)`` over the occurrences of the trace.
+
+    Occurrences are the prompt blocks (positions ``0 .. n_blocks-1``) followed, when ``include_outputs``, by the
+    output blocks. ``occ_req[j]`` is the request of occurrence ``j``; ``next_occ[j]`` the first occurrence of the same
+    key in a *later* request (-1 if none). One stable sort by (key, request, prompt before output).
+    """
     n = len(trace)
     p_len = np.diff(trace.prompt_offsets)
-    o_len = np.diff(trace.output_offsets)
-    keys = np.concatenate([trace.prompt_keys, trace.output_keys])
-    req = np.concatenate([np.repeat(np.arange(n, dtype=np.int64), p_len),
-                          np.repeat(np.arange(n, dtype=np.int64), o_len)])
-    kind = np.concatenate([np.zeros(trace.n_blocks, np.int8), np.ones(trace.n_output_blocks, np.int8)])
-    # Stream order: by request, its prompt before its outputs, positions in order (stable sorts keep them).
-    order = np.lexsort((kind, req, keys))  # grouped by key, then by (request, kind)
-    nxt = np.full(keys.size, NEVER, dtype=np.int64)
-    if keys.size > 1:
-        same = keys[order[1:]] == keys[order[:-1]]
-        later = req[order[1:]] > req[order[:-1]]
-        # An output occurrence followed by the same key in the same request cannot happen (chained keys).
-        take = same & later
-        nxt[order[:-1][take]] = req[order[1:][take]]
-        # Equal keys in the same request (hash collisions, or a prompt key re-emitted as output): skip ahead.
-        if (same & ~later).any():
-            for a in np.flatnonzero(same & ~later)[::-1]:
-                nxt[order[a]] = nxt[order[a + 1]]
-    return nxt[: trace.n_blocks], nxt[trace.n_blocks:]
+    parts_keys = [trace.prompt_keys]
+    parts_req = [np.repeat(np.arange(n, dtype=np.int64), p_len)]
+    parts_kind = [np.zeros(trace.n_blocks, np.int8)]
+    if include_outputs:
+        parts_keys.append(trace.output_keys)
+        parts_req.append(np.repeat(np.arange(n, dtype=np.int64), np.diff(trace.output_offsets)))
+        parts_kind.append(np.ones(trace.n_output_blocks, np.int8))
+    keys, req, kind = (np.concatenate(p) for p in (parts_keys, parts_req, parts_kind))
+    next_occ = np.full(keys.size, -1, dtype=np.int64)
+    if keys.size:
+        order = np.lexsort((kind, req, keys))
+        k, r = keys[order], req[order]
+        new_run = np.ones(keys.size, dtype=bool)  # runs of equal (key, request)
+        new_run[1:] = (k[1:] != k[:-1]) | (r[1:] != r[:-1])
+        run_first = np.flatnonzero(new_run)
+        run_of = np.cumsum(new_run) - 1
+        nxt_first = np.full(run_first.size, -1, dtype=np.int64)
+        same_key = k[run_first[1:]] == k[run_first[:-1]]
+        nxt_first[:-1][same_key] = order[run_first[1:][same_key]]
+        next_occ[order] = nxt_first[run_of]
+    return next_occ, req
 
 
 class BeladyPolicy(KeyedPolicy):
@@ -54,8 +61,9 @@ class BeladyPolicy(KeyedPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self._prompt_next: np.ndarray | None = None
-        self._output_next: np.ndarray | None = None
+        self._next_occ: np.ndarray | None = None
+        self._occ_req: np.ndarray | None = None
+        self._next_req: np.ndarray | None = None  # request of next_occ, NEVER if none
         self._trace: Trace | None = None
         self._cur_prompt: list[int] = []
         self._cur_output: list[int] = []
@@ -64,15 +72,21 @@ class BeladyPolicy(KeyedPolicy):
 
     def bind(self, trace: Trace) -> None:
         self._trace = trace
-        self._prompt_next, self._output_next = next_uses(trace)
+        # Outputs that are never cached are never used again: they must not count as future uses.
+        with_outputs = self.cache is None or self.cache.cache_outputs
+        self._next_occ, self._occ_req = next_uses(trace, include_outputs=with_outputs)
+        self._next_req = np.where(self._next_occ >= 0, self._occ_req[np.maximum(self._next_occ, 0)], NEVER)
 
     def _context(self, trace: Trace, i: int) -> None:
         if trace is not self._trace:
             raise RuntimeError("belady: bind() was called with a different trace than the one being replayed")
         a, b = trace.prompt_offsets[i], trace.prompt_offsets[i + 1]
-        self._cur_prompt = self._prompt_next[a:b].tolist()
-        a, b = trace.output_offsets[i], trace.output_offsets[i + 1]
-        self._cur_output = self._output_next[a:b].tolist()
+        self._cur_prompt_at = int(a)
+        self._cur_prompt = self._next_req[a:b].tolist()
+        if self._next_req.size > trace.n_blocks:
+            a, b = trace.n_blocks + trace.output_offsets[i], trace.n_blocks + trace.output_offsets[i + 1]
+            self._cur_output_at = int(a)
+            self._cur_output = self._next_req[a:b].tolist()
         self._cur_n_prompt = len(self._cur_prompt)
 
     def on_request(self, trace: Trace, i: int, now: float) -> None:
@@ -84,13 +98,18 @@ class BeladyPolicy(KeyedPolicy):
 
     def _next(self, block: Block) -> int:
         d = block.depth
-        nu = self._cur_prompt[d] if d < self._cur_n_prompt else self._cur_output[d - self._cur_n_prompt]
-        # With a serving model, outputs are inserted when their request completes, possibly after later requests
-        # were admitted; a use by one of those is in the past. A key sits at the same depth in every sequence, so
-        # its next occurrence after request j is the next use recorded at position (j, depth).
-        offsets, prompt_next = self._trace.prompt_offsets, self._prompt_next
-        while nu <= self._frontier:
-            nu = int(prompt_next[offsets[nu] + d])
+        if d < self._cur_n_prompt:
+            nu, occ = self._cur_prompt[d], self._cur_prompt_at + d
+        else:
+            nu, occ = self._cur_output[d - self._cur_n_prompt], self._cur_output_at + d - self._cur_n_prompt
+        if nu <= self._frontier:
+            # With a serving model, outputs are inserted when their request completes, possibly after later
+            # requests were admitted: a use by one of those is in the past. Follow the key's chain of uses.
+            next_occ, occ_req = self._next_occ, self._occ_req
+            occ = int(next_occ[occ])
+            while occ >= 0 and occ_req[occ] <= self._frontier:
+                occ = int(next_occ[occ])
+            nu = NEVER if occ < 0 else int(occ_req[occ])
         return nu
 
     def on_insert(self, block: Block, now: float) -> None:

@@ -7,10 +7,11 @@ keeps the rest with CLOCK-style second chances, and a ghost FIFO G remembers key
   evicted (its key to G); else take M's oldest: frequency > 0 -> reinserted into M with frequency - 1, otherwise
   evicted.
 * prefix caches only evict leaves that no request pins. A block that reaches the end of its queue while pinned is
-  moved to the newest end of M, untouched (it is in use). One that has cached children is parked outside the
-  queues (it cannot be evicted before them, and rescanning it on every eviction would cost O(cache)); when its last
-  child goes it returns to the oldest end of M, as its subtree has just proved cold. At most one pass over the
-  queues per eviction, then a bypass.
+  moved to the newest end of M, untouched (it is in use); when all of M is pinned, S gives the victim even below
+  its share. One that has cached children is parked outside the queues (it cannot be evicted before them, and
+  rescanning it on every eviction would cost O(cache)); when its last child goes it returns to the oldest end of
+  M, as its subtree has just proved cold. Enough steps per eviction for every block to spend its second chances,
+  then a bypass.
 
 Queue ids exposed in ``block.queue``: 0 = S, 1 = M.
 """
@@ -75,10 +76,12 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def evict(self, now: float) -> Block | None:
         small, main = self._small, self._main
-        budget = len(small) + 2 * len(main) + 1  # one pass, plus second chances in M
+        # Enough steps for every block to spend its frequency (up to max_freq second chances) and move once.
+        budget = (self.max_freq + 2) * (len(small) + len(main)) + 1
+        pinned_in_main = 0  # consecutive pinned blocks met in M: once all of M is pinned, S must give a victim
         while budget > 0 and (small or main):
             budget -= 1
-            if small and (len(small) >= self._small_target or not main):
+            if small and (len(small) >= self._small_target or not main or pinned_in_main >= len(main)):
                 key, b = small.popitem(last=False)
                 if b.n_children:
                     b.queue = MAIN
@@ -97,7 +100,9 @@ class S3FIFOPolicy(EvictionPolicy):
                 continue
             if b.pins:
                 main[key] = b
+                pinned_in_main += 1
                 continue
+            pinned_in_main = 0
             if b.pdata > 0:
                 b.pdata -= 1
                 main[key] = b

@@ -1,0 +1,112 @@
+"""Shared trace-building helpers for the cache, policy and replay tests (imported as ``from conftest import ...``).
+
+* :func:`build_trace` turns per-request *content* lists (prompt blocks, output blocks) into a valid
+  :class:`~sae_env.trace.Trace` with prefix-chained keys (outputs continue their prompt's chain, as in vLLM).
+* :func:`flat_trace` builds a trace of one raw block id per request (no prefix sharing): the classic cache setting.
+* :func:`prefix_traces` is a hypothesis strategy of small traces with heavy prefix sharing: a 3-letter content
+  alphabet, and follow-up turns that extend an earlier request's prompt and outputs (so output blocks are reused).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from hypothesis import strategies as st
+
+from sae_env.trace import AppType, Trace, chain_requests
+
+BS = 16  # tokens per block: the engine's timed mode turns blocks into tokens with it
+
+
+class ShownTrace(Trace):
+    """A Trace whose repr is the :func:`build_trace` call that made it, so that hypothesis reports reproduce."""
+
+    __slots__ = ("recipe",)
+
+    def __repr__(self) -> str:
+        return getattr(self, "recipe", None) or super().__repr__()
+
+
+def build_trace(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]] | None = None,
+                times: Sequence[float] | None = None, *, tails: Sequence[int] | None = None,
+                out_extra: Sequence[int] | None = None, types: Sequence[Sequence[int]] | None = None,
+                block_size: int = BS) -> Trace:
+    """A trace from per-request content ids; keys are chained over prompt then output blocks.
+
+    ``tails`` adds a partial block of that many tokens to each prompt (default 0); ``out_extra`` adds tokens to
+    the output count beyond its full blocks (decode time in timed mode); ``types`` gives each prompt block's
+    TokenType (default USER = 2; output blocks are ASSISTANT = 3).
+    """
+    n = len(prompts)
+    outputs = [[] for _ in range(n)] if outputs is None else outputs
+    times = np.arange(n, dtype=np.float64) if times is None else np.asarray(times, dtype=np.float64)
+    tails = [0] * n if tails is None else tails
+    out_extra = [0] * n if out_extra is None else out_extra
+    seq = [list(p) + list(o) for p, o in zip(prompts, outputs, strict=True)]
+    lens = np.array([len(s) for s in seq], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    content = np.array([c for s in seq for c in s], dtype=np.uint64)
+    n_prompt = np.array([len(p) for p in prompts], dtype=np.int64)
+    pk, po, ok, oo = chain_requests(content, offsets, n_prompt)
+    if types is None:
+        pt = np.full(pk.size, 2, dtype=np.int8)
+    else:
+        pt = np.array([x for tt in types for x in tt], dtype=np.int8)
+    trace = ShownTrace(t=times, session=np.arange(n), turn=np.ones(n, dtype=np.int32),
+                       app=np.full(n, int(AppType.CHAT), dtype=np.int8),
+                       prompt_tokens=n_prompt * block_size + np.asarray(tails, dtype=np.int64),
+                       output_tokens=np.array([len(o) for o in outputs], dtype=np.int64) * block_size
+                       + np.asarray(out_extra, dtype=np.int64),
+                       prompt_offsets=po, prompt_keys=pk, prompt_types=pt, output_offsets=oo, output_keys=ok,
+                       output_types=np.full(ok.size, 3, dtype=np.int8), block_size=block_size)
+    trace.recipe = (f"build_trace({[list(p) for p in prompts]}, {[list(o) for o in outputs]}, "
+                    f"times={times.tolist()}, tails={list(tails)}, out_extra={list(out_extra)})")
+    return trace
+
+
+def flat_trace(ids: Sequence[int], block_size: int = BS) -> Trace:
+    """One request per id, each with exactly one prompt block whose key is the id itself (no chaining)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    n = ids.size
+    return Trace(t=np.arange(n, dtype=np.float64), session=np.arange(n), turn=np.ones(n, dtype=np.int32),
+                 app=np.zeros(n, dtype=np.int8), prompt_tokens=np.full(n, block_size, dtype=np.int64),
+                 output_tokens=np.zeros(n, dtype=np.int64), prompt_offsets=np.arange(n + 1, dtype=np.int64),
+                 prompt_keys=ids, prompt_types=np.full(n, 2, dtype=np.int8), block_size=block_size)
+
+
+def zipf_ids(n: int, n_objects: int, alpha: float, seed: int) -> np.ndarray:
+    """``n`` object ids drawn from a Zipf(alpha) popularity over ``n_objects`` objects (ids shuffled)."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, n_objects + 1) ** alpha
+    ids = rng.choice(n_objects, size=n, p=p / p.sum())
+    return rng.permutation(n_objects)[ids].astype(np.int64) + 1
+
+
+@st.composite
+def prefix_traces(draw, max_requests: int = 24, max_prompt: int = 6, max_output: int = 3, timed: bool = False,
+                  outputs: bool = True) -> Trace:
+    """Small traces with shared prefixes; ``timed`` draws dense arrivals (ms apart) so that requests overlap."""
+    n = draw(st.integers(1, max_requests))
+    letter = st.integers(0, 2)
+    prompts: list[list[int]] = []
+    outs: list[list[int]] = []
+    for _ in range(n):
+        if prompts and draw(st.booleans()):
+            # a follow-up turn: an earlier request's prompt and outputs, then new blocks
+            j = draw(st.integers(0, len(prompts) - 1))
+            base = prompts[j] + outs[j]
+            p = (base + draw(st.lists(letter, max_size=2)))[:max_prompt + max_output]
+        else:
+            p = draw(st.lists(letter, max_size=max_prompt))
+        o = draw(st.lists(letter, max_size=max_output)) if outputs else []
+        prompts.append(p)
+        outs.append(o)
+    tails = draw(st.lists(st.integers(0, BS - 1), min_size=n, max_size=n))
+    if timed:
+        gaps = draw(st.lists(st.sampled_from([0.0, 0.001, 0.005, 0.02, 0.1, 1.0]), min_size=n, max_size=n))
+        times = np.cumsum(gaps)
+        out_extra = draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
+    else:
+        times, out_extra = None, None
+    return build_trace(prompts, outs, times, tails=tails, out_extra=out_extra)
