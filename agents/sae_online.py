@@ -11,10 +11,10 @@ parameter of :class:`~sae_env.policies.saecache.SAECachePolicy`:
   each queue (the inter-turn gaps of its sessions): sufficient statistics ``n, sum ln g, sum ln^2 g`` decayed by
   ``gap_decay`` per window, then ``mu = mean ln g``, ``sigma = std ln g``, with ``gap_prior`` pseudo-gaps at the
   current values (a gap is seen only when the next turn comes, so early windows see the short ones alone);
-* **position decay gamma**: the structural blocks' hit ratio by relative offset ``x`` (in 10 bins), normalised by
-  the first bin, is fitted by least squares to ``1 - x ** gamma`` over a log grid; the fit moves gamma by an EMA in
-  log space (``gamma_rate``). A small gamma means hits fall off right after the head of a prompt, a large one that
-  they stay until its tail;
+* **position decay gamma**: the structural blocks' hit ratio by relative offset ``x`` (in 10 bins) is fitted by
+  weighted least squares to ``c * (1 - x ** gamma)`` over a log grid of gamma (``c`` solved for each); the fit
+  moves gamma by an EMA in log space (``gamma_rate``). A small gamma means hits fall off right after the head of a
+  prompt, a large one that they stay until its tail;
 * **queue weights alpha**: each queue's hit blocks per block it holds, divided by the mean over the queues, through
   a softmax of temperature ``temperature``, scaled so that the weights average 1, then an EMA in log space
   (``alpha_rate``). The priority-eviction queue has no weight (it is emptied first).
@@ -59,6 +59,8 @@ class OnlineConfig:
         for name in ("type_rate", "gamma_rate", "alpha_rate"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"OnlineConfig.{name} must lie in [0, 1], got {getattr(self, name)}")
+        if not self.gap_prior >= 0:
+            raise ValueError(f"OnlineConfig.gap_prior must be >= 0, got {self.gap_prior}")
         if not 0 < self.gap_decay <= 1:
             raise ValueError(f"OnlineConfig.gap_decay must lie in (0, 1], got {self.gap_decay}")
         if not self.temperature > 0:
@@ -76,18 +78,22 @@ def lognormal_mle(gaps: np.ndarray) -> tuple[float, float]:
 
 
 def fit_gamma(x: np.ndarray, hit_ratio: np.ndarray, weight: np.ndarray) -> float | None:
-    """Least-squares gamma of ``hit_ratio / hit_ratio[0] ~ 1 - x ** gamma`` over a log grid (None if no signal)."""
+    """Weighted least-squares gamma of ``hit_ratio ~ c * (1 - x ** gamma)`` over a log grid, the scale ``c`` solved
+    for each gamma (None without signal)."""
     ok = weight > 0
-    if ok.sum() < 2 or hit_ratio[ok][0] <= 0:
+    if ok.sum() < 2 or not (hit_ratio[ok] > 0).any():
         return None
-    x, h, w = x[ok], hit_ratio[ok] / hit_ratio[ok][0], weight[ok]
-    model = 1.0 - x[None, :] ** _GAMMA_GRID[:, None]
-    err = (w[None, :] * (np.clip(h, 0, 1)[None, :] - model) ** 2).sum(axis=1)
+    x, h, w = x[ok], np.clip(hit_ratio[ok], 0, 1), weight[ok]
+    model = 1.0 - x[None, :] ** _GAMMA_GRID[:, None]  # grid x bins
+    c = (model * (w * h)[None, :]).sum(axis=1) / np.maximum((model * model * w[None, :]).sum(axis=1), 1e-12)
+    err = (w[None, :] * (h[None, :] - c[:, None] * model) ** 2).sum(axis=1)
     return float(_GAMMA_GRID[int(np.argmin(err))])
 
 
 def structural_offset_profile(trace: Trace, stats: WindowStats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Bin centres, hit ratio and references of SYSTEM/TEMPLATE prompt blocks by relative offset in a window."""
+    """Mean relative offset, hit ratio and references per bin of the SYSTEM/TEMPLATE prompt blocks of a window.
+
+    The relative offset is the policy's ``x = depth / prompt blocks`` (the first block at 0)."""
     a, b = stats.start, stats.start + stats.requests
     off = trace.prompt_offsets
     n_blocks = np.diff(off[a:b + 1])
@@ -96,13 +102,14 @@ def structural_offset_profile(trace: Trace, stats: WindowStats) -> tuple[np.ndar
     n_of = np.repeat(np.maximum(n_blocks, 1), n_blocks)
     hit = pos < np.repeat(np.asarray(stats.hits_per_request, dtype=np.int64), n_blocks)
     st = types <= TokenType.TEMPLATE
-    xbin = np.minimum((pos[st] * _X_BINS) // n_of[st], _X_BINS - 1)
+    x = pos[st] / n_of[st]
+    xbin = np.minimum((x * _X_BINS).astype(np.int64), _X_BINS - 1)
     refs = np.bincount(xbin, minlength=_X_BINS).astype(np.float64)
     hits = np.bincount(xbin[hit[st]], minlength=_X_BINS).astype(np.float64)
-    centres = (np.arange(_X_BINS) + 0.5) / _X_BINS
     with np.errstate(invalid="ignore", divide="ignore"):
+        mean_x = np.where(refs > 0, np.bincount(xbin, weights=x, minlength=_X_BINS) / refs, 0.0)
         ratio = np.where(refs > 0, hits / refs, 0.0)
-    return centres, ratio, refs
+    return mean_x, ratio, refs
 
 
 class SAEOnlineLearner:

@@ -52,7 +52,7 @@ class Block:
         self.pins = 0  # number of in-flight requests using this block; > 0 = not evictable
         self.type = btype  # TokenType value
         self.queue = 0  # queue the policy put it in (0 for single-queue policies)
-        self.last_access = now  # trace time of the last hit or of the insertion
+        self.last_access = now  # trace time of the last use: hit or insertion, and the release by its last user
         self.hits = 0  # number of hits since insertion
         self.stamp = 0  # policy bookkeeping: names the block's live heap entry / release order (0 = none)
         self.pdata = None  # policy-private data (e.g. a heap entry or a priority)
@@ -210,6 +210,7 @@ class PrefixCache:
         for b in reversed(path):
             b.pins -= 1
             if not b.pins:
+                b.last_access = now  # a block is in use until released: idle time counts from here (vLLM)
                 released.append(b)
         if released:
             self.policy.on_release(released, now)

@@ -108,6 +108,8 @@ class SAECachePolicy(EvictionPolicy):
         self._output_queue = PE  # queue of its non-reasoning output blocks
         self._n_prompt = 1
         self._sessions: dict[int, tuple[float, int]] = {}  # session -> (last arrival, queue of its blocks)
+        self._inflight: dict[int, int] = {}  # request -> the queue chosen at its arrival (until it completes)
+        self._output_reasoning = False  # the completing request's output holds reasoning
         self._occupancy = [0] * N_QUEUES
         self.reset_window()
         if params:
@@ -148,6 +150,7 @@ class SAECachePolicy(EvictionPolicy):
 
     def on_request(self, trace: Trace, i: int, now: float) -> None:
         q = self._session_queue(trace, i)
+        self._inflight[i] = q
         self._prompt_queue = self._output_queue = q
         self._n_prompt = max(1, int(trace.prompt_offsets[i + 1] - trace.prompt_offsets[i]))
         s = int(trace.session[i])
@@ -165,27 +168,25 @@ class SAECachePolicy(EvictionPolicy):
 
     def on_complete(self, trace: Trace, i: int, now: float) -> None:
         a, b = trace.output_offsets[i], trace.output_offsets[i + 1]
-        if (trace.output_types[a:b] == TokenType.REASONING).any():
-            # The generation opened with reasoning, which the next turn's template drops: every block of this
-            # output (the answer too) lies on a branch no later prompt follows.
-            self._output_queue = PE
-        else:
-            s = int(trace.session[i])
-            known = self._sessions.get(s) if s >= 0 else None
-            self._output_queue = known[1] if known is not None else self._session_queue(trace, i)
+        # A generation that opens with reasoning, which the next turn's template drops: every block of this output
+        # (the answer too) lies on a branch no later prompt follows.
+        self._output_reasoning = bool((trace.output_types[a:b] == TokenType.REASONING).any())
+        q = self._inflight.pop(i, None)
+        self._output_queue = self._session_queue(trace, i) if q is None else q
         self._n_prompt = max(1, int(trace.prompt_offsets[i + 1] - trace.prompt_offsets[i]))
 
     def on_insert(self, block: Block, now: float) -> None:
         t = block.type
+        output = block.depth >= self._n_prompt
         if not self.switches["multi_queue"]:
             q = CH
-        elif t == TokenType.REASONING:
+        elif t == TokenType.REASONING or (output and self._output_reasoning):
             q = PE
         elif t <= TokenType.TEMPLATE:
             q = ST
             block.pdata = min(block.depth / self._n_prompt, 1.0)  # x_b, the block's relative offset
         else:
-            q = self._prompt_queue if block.depth < self._n_prompt else self._output_queue
+            q = self._output_queue if output else self._prompt_queue
         block.queue = q
         self._occupancy[q] += 1
 
@@ -268,7 +269,11 @@ class SAECachePolicy(EvictionPolicy):
         while heap and (heap[0][2].stamp != heap[0][0] or heap[0][2].pins or heap[0][2].n_children):
             heapq.heappop(heap)
         if heap:
-            out.append(heap[0][2])
+            if want == 1:
+                out.append(heap[0][2])
+            else:  # a structural group: every returned block competes too, the oldest ``want`` of them
+                out.extend(e[2] for e in heapq.nsmallest(want, heap) if e[2].stamp == e[0] and not e[2].pins
+                           and not e[2].n_children)
         return out
 
     def _best(self, g: int, now: float) -> tuple[tuple, Block] | None:
@@ -307,15 +312,10 @@ class SAECachePolicy(EvictionPolicy):
         return victim
 
     def _remove(self, b: Block) -> None:
-        g = self._group(b)
-        lst = self._groups[g]
+        lst = self._groups[self._group(b)]
         if b.key in lst:
             del lst[b.key]
-        else:
-            heap = self._returned[g]
-            if heap[0][2] is not b:
-                raise RuntimeError(f"saecache: victim {b!r} is neither listed nor at the top of its heap")
-            heapq.heappop(heap)
+        # else it came from its group's returned-heap, where the cleared stamp makes its entry stale
         self._occupancy[b.queue] -= 1
         b.stamp = 0
 

@@ -1,0 +1,661 @@
+"""Tests of the SAECache policy (sae_env/policies/saecache.py).
+
+* LRU equivalence: with every switch off the policy must evict in exactly LRU order (differential against
+  ``make_policy("lru")``: per-request hits, evictions, and the victim sequence) on hypothesis traces and on the
+  synthetic ``tiny`` preset, in instant mode.
+* Exact versus fast victims: at every eviction the policy's victim is compared with ``exact_victim(now)`` (the argmin
+  over every evictable block), itself checked against an independent argmin over ``cache.evictable()``. Chat, agent
+  and priority-eviction groups must agree exactly; for the structural queue the disagreement rate (victims of strictly
+  larger (PE flag, priority) than the exact minimum) and the mean relative excess are measured and bounded.
+* Invariants and determinism under hypothesis traces with sessions, turns, apps and every token type, for random
+  combinations of the switches (and predictors), in instant and timed mode, with ``check=True``.
+* Routing of blocks to queues on hand-built traces; priority-eviction blocks go first.
+* The priority formula against a direct computation (scipy's log-normal survival); set_params clipping and errors.
+* The gap statistics the policy measures against the log inter-arrival gaps computed from the trace.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import BS, prefix_traces
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scipy.stats import lognorm
+
+from sae_env.cache import Block, PrefixCache
+from sae_env.policies import make_policy
+from sae_env.policies.saecache import AG, CH, PARAM_SPECS, PE, ST, SAECachePolicy
+from sae_env.replay import Replay
+from sae_env.serving import make_server
+from sae_env.sources import load_source
+from sae_env.trace import AppType, TokenType, Trace, TraceBuilder, chain_requests
+
+SERVER = "qwen2.5-1.5b@a40"
+ALL_OFF = {"type_weights": False, "adaptive_alpha": False, "lognormal": False, "position_decay": False,
+           "multi_queue": False, "predictor": False}
+SWITCHES = ("type_weights", "adaptive_alpha", "lognormal", "position_decay", "multi_queue")
+T = TokenType
+
+
+def tiny(seed: int = 0) -> Trace:
+    return load_source("synthetic", None, preset="tiny", seed=seed)[0]
+
+
+def _predictor(trace: Trace, i: int) -> tuple[float, float]:
+    """A deterministic stand-in for the session predictor: pseudo-random probabilities from the request index."""
+    return (i * 37 % 10) / 10, (i * 53 % 10) / 10
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Traces with sessions, turns, apps and every token type (a hypothesis strategy)
+
+# Prompt content letters and their token types; output letters are offset by 10 so that a key (which stands for its
+# whole prefix, hence for its last block's content) always carries the same type.
+_TYPE = {0: T.SYSTEM, 1: T.TEMPLATE, 2: T.USER, 3: T.USER, 4: T.TOOL_OUTPUT, 5: T.UNKNOWN,
+         10: T.ASSISTANT, 11: T.REASONING, 12: T.TOOL_OUTPUT, 13: T.ASSISTANT}
+
+
+def make_trace(prompts, outputs, sessions, turns, apps, times, tails=None, out_extra=None) -> Trace:
+    """A trace from per-request content letters (types from the letter), chained over prompt then output."""
+    n = len(prompts)
+    seq = [list(p) + list(o) for p, o in zip(prompts, outputs, strict=True)]
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in seq])]).astype(np.int64)
+    content = np.array([c for s in seq for c in s], dtype=np.uint64)
+    n_prompt = np.array([len(p) for p in prompts], dtype=np.int64)
+    pk, po, ok, oo = chain_requests(content, offsets, n_prompt)
+    pt = np.array([_TYPE[c] for p in prompts for c in p], dtype=np.int8)
+    ot = np.array([_TYPE[c] for o in outputs for c in o], dtype=np.int8)
+    tails = [0] * n if tails is None else tails
+    out_extra = [0] * n if out_extra is None else out_extra
+    return Trace(t=np.asarray(times, dtype=np.float64), session=sessions, turn=turns, app=apps,
+                 prompt_tokens=n_prompt * BS + np.asarray(tails, dtype=np.int64),
+                 output_tokens=np.array([len(o) for o in outputs], dtype=np.int64) * BS
+                 + np.asarray(out_extra, dtype=np.int64),
+                 prompt_offsets=po, prompt_keys=pk, prompt_types=pt, output_offsets=oo, output_keys=ok,
+                 output_types=ot, block_size=BS)
+
+
+@st.composite
+def session_traces(draw, max_requests: int = 24, timed: bool = False) -> Trace:
+    """Sessions of several turns (a later turn = an earlier turn's prompt + its output without reasoning + new
+    blocks), single requests without a session, every AppType, structural heads, reasoning outputs."""
+    n = draw(st.integers(1, max_requests))
+    prompts, outputs, sessions, turns, apps = [], [], [], [], []
+    for _ in range(n):
+        if prompts and draw(st.booleans()):
+            j = draw(st.integers(0, len(prompts) - 1))
+            hist = prompts[j] + [c for c in outputs[j] if c != 11]  # the next turn drops the reasoning
+            p = (hist + draw(st.lists(st.sampled_from([2, 3, 4]), max_size=2)))[:10]
+            s = sessions[j] if sessions[j] >= 0 else 1000 + j
+            sessions.append(s)
+            turns.append(turns[j] + 1)
+            apps.append(apps[j])
+        else:
+            head = draw(st.lists(st.sampled_from([0, 1]), max_size=3))  # system prompt / template head
+            p = head + draw(st.lists(st.integers(0, 5), max_size=4))
+            sessions.append(draw(st.sampled_from([-1, len(prompts)])))
+            turns.append(1)
+            apps.append(draw(st.sampled_from(list(AppType))))
+        prompts.append(p)
+        outputs.append(draw(st.lists(st.sampled_from([10, 11, 12, 13]), max_size=3)))
+    tails = draw(st.lists(st.integers(0, BS - 1), min_size=n, max_size=n))
+    gaps = [0.0, 0.001, 0.005, 0.02, 0.1, 1.0] if timed else [0.0, 0.0004, 0.5, 1.0, 7.0, 300.0]
+    times = np.cumsum(draw(st.lists(st.sampled_from(gaps), min_size=n, max_size=n)))
+    out_extra = draw(st.lists(st.integers(1, 40), min_size=n, max_size=n)) if timed else None
+    return make_trace(prompts, outputs, sessions, turns, apps, times, tails, out_extra)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Eviction audit: exact victim before every real eviction
+
+
+def pe_flag(policy: SAECachePolicy, b: Block) -> int:
+    return 0 if (policy.switches["multi_queue"] and b.queue == PE) else 1
+
+
+def reference_exact(policy: SAECachePolicy, now: float) -> Block | None:
+    """Independent argmin of the policy's documented key (PE flag, priority, release stamp) over the cache's
+    evictable blocks."""
+    cands = policy.cache.evictable()
+    if not cands:
+        return None
+    return min(cands, key=lambda b: (pe_flag(policy, b), policy.priority(b, now), b.stamp))
+
+
+class Audit:
+    """Wraps ``policy.evict``: computes ``exact_victim(now)`` first, then the real eviction, and records both.
+
+    Always checked: ``exact_victim`` equals the independent reference argmin; ``evict`` returns None only when
+    nothing is evictable; with multi_queue on, an evictable PE block is evicted before any other block. With
+    ``strict_temporal``: when the exact victim is in a chat, agent or PE group, the policy must pick it.
+    """
+
+    def __init__(self, policy: SAECachePolicy, strict_temporal: bool = False):
+        self.policy = policy
+        self.strict = strict_temporal
+        self.victims: list[int] = []
+        self.st_evictions = 0
+        self.st_disagree = 0
+        self.st_excess: list[float] = []
+        self.temporal_evictions = 0
+        self.temporal_disagree: list[tuple] = []
+        self._inner = policy.evict
+        policy.evict = self.evict
+
+    def evict(self, now: float) -> Block | None:
+        p = self.policy
+        ex = p.exact_victim(now)
+        ref = reference_exact(p, now)
+        assert ex is ref, f"exact_victim {ex!r} differs from the reference argmin {ref!r}"
+        has_pe = p.switches["multi_queue"] and any(b.queue == PE for b in p.cache.evictable())
+        v = self._inner(now)
+        if v is None:
+            assert ex is None, f"evict() gave up with {len(p.cache.evictable())} evictable blocks"
+            return None
+        assert ex is not None
+        if has_pe:
+            assert v.queue == PE, f"{v!r} evicted while a PE block was evictable"
+        kx = (pe_flag(p, ex), p.priority(ex, now))
+        kv = (pe_flag(p, v), p.priority(v, now))
+        assert kv >= kx
+        if ex.queue == ST and p.switches["multi_queue"]:
+            self.st_evictions += 1
+            if kv > kx:
+                self.st_disagree += 1
+                if kv[0] == kx[0] and kx[1] > 0:
+                    self.st_excess.append(kv[1] / kx[1] - 1.0)
+        else:
+            self.temporal_evictions += 1
+            if v is not ex:
+                self.temporal_disagree.append((now, ex, kx, v, kv))
+                if self.strict:
+                    raise AssertionError(f"t={now}: evicted {v!r} (key {kv}) but the exact victim is {ex!r} "
+                                         f"(key {kx}) in a chat/agent/PE group")
+        self.victims.append(v.key)
+        return v
+
+
+def run(trace: Trace, capacity: int, *, timed: bool = False, window_requests: int = 1, audit: bool = True,
+        strict_temporal: bool = False, **options) -> tuple[Replay, Audit | None]:
+    policy = SAECachePolicy(**options)
+    a = Audit(policy, strict_temporal) if audit else None
+    r = Replay(trace, PrefixCache(capacity, policy), make_server(SERVER) if timed else None,
+               window_requests=window_requests, check=True)
+    r.run()
+    return r, a
+
+
+def lru_run(trace: Trace, capacity: int, timed: bool = False) -> tuple[Replay, list[int]]:
+    lru = make_policy("lru")
+    victims: list[int] = []
+    inner = lru.evict
+
+    def evict(now):
+        v = inner(now)
+        if v is not None:
+            victims.append(v.key)
+        return v
+
+    lru.evict = evict
+    r = Replay(trace, PrefixCache(capacity, lru), make_server(SERVER) if timed else None, window_requests=1,
+               check=True)
+    r.run()
+    return r, victims
+
+
+def hits(r: Replay) -> list[int]:
+    return [h for w in r.windows for h in w.hits_per_request]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. Every switch off = LRU
+
+
+def assert_same_as_lru(trace: Trace, capacity: int, timed: bool = False) -> None:
+    r, a = run(trace, capacity, timed=timed, **ALL_OFF)
+    ref, ref_victims = lru_run(trace, capacity, timed)
+    assert hits(r) == hits(ref)
+    assert [w.ttft_ms for w in r.windows] == [w.ttft_ms for w in ref.windows]
+    assert [w.evictions for w in r.windows] == [w.evictions for w in ref.windows]
+    assert [w.bypasses for w in r.windows] == [w.bypasses for w in ref.windows]
+    assert a.victims == ref_victims
+    assert set(r.cache.blocks) == set(ref.cache.blocks)
+
+
+@settings(max_examples=60, deadline=None)
+@given(trace=prefix_traces(), capacity=st.integers(1, 30))
+def test_all_switches_off_is_lru_prefix_traces(trace, capacity):
+    assert_same_as_lru(trace, capacity)
+
+
+@settings(max_examples=60, deadline=None)
+@given(trace=session_traces(), capacity=st.integers(1, 30))
+def test_all_switches_off_is_lru_session_traces(trace, capacity):
+    """Sessions, reasoning, structural heads and equal / sub-millisecond arrival times (ties at ``min_dt``)."""
+    assert_same_as_lru(trace, capacity)
+
+
+@pytest.mark.parametrize("capacity", [5, 10, 20, 40, 80, 200])
+def test_all_switches_off_is_lru_tiny(capacity):
+    assert_same_as_lru(tiny(), capacity)
+
+
+@settings(max_examples=40, deadline=None)
+@given(trace=session_traces(timed=True), capacity=st.integers(1, 30))
+def test_all_switches_off_is_lru_timed(trace, capacity):
+    """Timed mode too: the recency lists are in release order, which is vLLM's (and our LRU's) order, even where it
+    differs from the order of last accesses that the priority formula uses (see the timed exactness tests)."""
+    assert_same_as_lru(trace, capacity, timed=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. Exact versus fast victim
+
+CAPACITIES = (5, 10, 20, 30, 40)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_temporal_groups_pick_the_exact_victim_instant(seed):
+    """Chat, agent and PE groups: the head of the release-ordered list is the exact minimum (instant mode)."""
+    tr = tiny(seed)
+    n = 0
+    for cap in CAPACITIES:
+        _, a = run(tr, cap, window_requests=25, strict_temporal=True)
+        n += a.temporal_evictions
+    assert n > 500  # the check had work to do
+
+
+def test_temporal_groups_pick_the_exact_victim_timed_handbuilt():
+    """Timed mode: a chat block accessed at t=0 but released late (long decode) has the larger ``dt`` and so the
+    lower priority, yet it sits behind a block accessed at t=1 and released earlier in the release-ordered list.
+
+    Request A (t=0, 2 USER blocks, 2000 output tokens, ~18 s of decode), request B (t=1, 2 USER blocks, 1 output
+    token), request C (t=60, 1 block) into a 4-block cache: the exact victim is A's deepest block (last access 0,
+    dt=60), the policy's head-of-list victim is B's deepest block (last access 1, dt=59).
+    """
+    b = TraceBuilder(block_size=BS)
+    b.add(t=0.0, session=1, turn=1, app=AppType.CHAT, prompt_tokens=2 * BS, output_tokens=2000,
+          prompt_keys=[11, 12], prompt_types=[T.USER, T.USER])
+    b.add(t=1.0, session=2, turn=1, app=AppType.CHAT, prompt_tokens=2 * BS, output_tokens=1,
+          prompt_keys=[21, 22], prompt_types=[T.USER, T.USER])
+    b.add(t=60.0, session=3, turn=1, app=AppType.CHAT, prompt_tokens=BS, output_tokens=1, prompt_keys=[31],
+          prompt_types=[T.USER])
+    _, a = run(b.build(), 4, timed=True)
+    assert a.temporal_evictions == 1
+    detail = "; ".join(f"t={t}: exact {ex!r} key {kx}, evicted {v!r} key {kv}"
+                       for t, ex, kx, v, kv in a.temporal_disagree)
+    assert a.temporal_disagree == [], f"timed mode: the chat group's victim is not its exact minimum: {detail}"
+
+
+def test_temporal_groups_pick_the_exact_victim_timed_tiny():
+    """The same on the synthetic tiny preset (seed 1) in timed mode, small caches."""
+    tr = tiny(1)
+    bad, n = [], 0
+    for cap in CAPACITIES:
+        _, a = run(tr, cap, timed=True, window_requests=25)
+        bad += a.temporal_disagree
+        n += a.temporal_evictions
+    print(f"\ntimed tiny seed 1: {len(bad)} of {n} chat/agent/PE evictions differ from the exact victim")
+    assert not bad
+
+
+def templated_heavy() -> Trace:
+    """70 % templated requests over 40 templates and 4 system prompts: long structural lists, many shared heads."""
+    return load_source("synthetic", None, preset="tiny", templated={"n_templates": 40, "n_system": 4},
+                       phases=[{"duration": 120.0, "rate": 1.0,
+                                "mix": {"templated": 0.7, "chat": 0.3, "agent": 0.0}}])[0]
+
+
+WORKLOADS = {"tiny": lambda: [tiny(s) for s in (0, 1, 2)], "templated": lambda: [templated_heavy()]}
+
+
+def structural_disagreement(workload: str, sample: int, timed: bool = False) -> tuple[int, int, list[float]]:
+    n = dis = 0
+    excess: list[float] = []
+    for tr in WORKLOADS[workload]():
+        for cap in CAPACITIES:
+            _, a = run(tr, cap, timed=timed, window_requests=25, sample=sample)
+            n += a.st_evictions
+            dis += a.st_disagree
+            excess += a.st_excess
+    return n, dis, excess
+
+
+def report(label: str, n: int, dis: int, excess: list[float]) -> None:
+    print(f"\n{label}: {dis}/{n} structural victims above the exact minimum ({dis / n:.1%}), mean relative priority "
+          f"excess of those {np.mean(excess) if excess else 0.0:.2f}")
+
+
+@pytest.mark.parametrize("workload,timed", [("tiny", False), ("tiny", True), ("templated", False)])
+def test_structural_sampled_victim_disagreement_is_bounded(workload, timed):
+    """Default sample=8, capacities 5-40 blocks. Bound: at most 10 % of structural evictions may pick a block of
+    strictly larger priority than the exact minimum. Why 10 %: sample=8 already finds every listed minimum on these
+    workloads (sample=8 and sample=10**6 give the same victims), so the bound is about the returned-heap part; a
+    candidate set that also takes the 8 oldest returned leaves measures 0.0 % on both workloads, and sample=1 gives
+    12.6 % on the templated one, so 10 % catches a regression of that size without flaking. Measured on the current
+    code: tiny 4.7 % (instant) / 4.2 % (timed), templated 13.3 % (fails: the returned-heap problem, see
+    test_structural_returned_blocks_all_compete_handbuilt)."""
+    n, dis, excess = structural_disagreement(workload, 8, timed)
+    report(f"{workload}, sample=8, {'timed' if timed else 'instant'}", n, dis, excess)
+    assert n > 1000
+    assert dis / n < 0.10
+
+
+@pytest.mark.parametrize("workload", ["tiny", "templated"])
+def test_structural_exhaustive_sample_is_exact(workload):
+    """With sample=10**6 every evictable block of a structural group should be a candidate: zero disagreement."""
+    n, dis, excess = structural_disagreement(workload, 10**6)
+    report(f"{workload}, sample=10**6, instant", n, dis, excess)
+    assert dis == 0
+
+
+def test_structural_returned_blocks_all_compete_handbuilt():
+    """Minimal case of the exhaustive-sample failure: two structural inner nodes return to their group (their child
+    was evicted) and the one released later has the larger offset, hence the lower priority; only the top of the
+    returned-heap (ordered by release stamp) is a candidate, so the policy evicts the other one.
+
+    A (t=0, single-turn): TEMPLATE, TEMPLATE, USER; B (t=1): 4 x TEMPLATE, USER; C (t=10, chat): 3 USER blocks into
+    an 8-block cache. Evictions: A's USER block (PE), B's USER block (PE), then the exact minimum is B's 4th
+    template block (x = 3/5, dt = 9: P = 0.4 / 9 = 0.044) but A's 2nd template block (x = 1/3, dt = 10: P = 0.067)
+    goes.
+    """
+    b = TraceBuilder(block_size=BS)
+    b.add(t=0.0, session=-1, turn=1, app=AppType.SINGLE_TURN, prompt_tokens=3 * BS, output_tokens=0,
+          prompt_keys=[1, 2, 3], prompt_types=[T.TEMPLATE, T.TEMPLATE, T.USER])
+    b.add(t=1.0, session=-1, turn=1, app=AppType.SINGLE_TURN, prompt_tokens=5 * BS, output_tokens=0,
+          prompt_keys=[11, 12, 13, 14, 15], prompt_types=[T.TEMPLATE] * 4 + [T.USER])
+    b.add(t=10.0, session=-1, turn=1, app=AppType.CHAT, prompt_tokens=3 * BS, output_tokens=0,
+          prompt_keys=[21, 22, 23], prompt_types=[T.USER] * 3)
+    _, a = run(b.build(), 8, sample=10**6)
+    assert a.victims[:2] == [3, 15]
+    assert a.victims[2] == 14, f"evicted block {a.victims[2]}, the exact minimum is block 14"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. Invariants and determinism under every switch combination
+
+switch_sets = st.fixed_dictionaries({s: st.booleans() for s in SWITCHES})
+predictors = st.sampled_from(["rule", "off", "callable"])
+
+
+def options(switches: dict, predictor: str, sample: int) -> dict:
+    pred = {"rule": None, "off": False, "callable": _predictor}[predictor]
+    return {**switches, "predictor": pred, "sample": sample}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=session_traces(), capacity=st.integers(1, 30), switches=switch_sets, predictor=predictors,
+       sample=st.sampled_from([1, 2, 8]))
+def test_invariants_instant(trace, capacity, switches, predictor, sample):
+    """check=True after every request, the audit at every eviction (chat/agent/PE exact in instant mode)."""
+    run(trace, capacity, strict_temporal=True, **options(switches, predictor, sample))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=session_traces(timed=True), capacity=st.integers(1, 30), switches=switch_sets, predictor=predictors,
+       sample=st.sampled_from([1, 8]))
+def test_invariants_timed(trace, capacity, switches, predictor, sample):
+    """Requests overlap (pinned blocks, late releases); the audit is not strict about exactness here (see
+    test_temporal_groups_pick_the_exact_victim_timed_*)."""
+    r, _ = run(trace, capacity, timed=True, **options(switches, predictor, sample))
+    assert sum(w.requests for w in r.windows) == len(trace)
+    assert all(b.pins == 0 for b in r.cache.blocks.values())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=session_traces(timed=True), capacity=st.integers(1, 30), switches=switch_sets, predictor=predictors,
+       timed=st.booleans())
+def test_deterministic(trace, capacity, switches, predictor, timed):
+    def once():
+        r, _ = run(trace, capacity, timed=timed, window_requests=5, audit=False, **options(switches, predictor, 8))
+        return [w.to_dict(with_samples=True) for w in r.windows]
+
+    assert once() == once()
+
+
+def test_deterministic_tiny_timed():
+    def once():
+        r, _ = run(tiny(), 20, timed=True, window_requests=10, audit=False)
+        return [w.to_dict(with_samples=True) for w in r.windows]
+
+    assert once() == once()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. Routing
+
+
+def queues_after(trace: Trace, capacity: int = 10_000, **opts) -> dict[int, int]:
+    """Replay (instant, no eviction) and return key -> queue of every cached block."""
+    policy = SAECachePolicy(**opts)
+    Replay(trace, PrefixCache(capacity, policy), window_requests=1, check=True).run()
+    return {k: b.queue for k, b in policy.cache.blocks.items()}
+
+
+def add(b: TraceBuilder, t, session, turn, app, prompt, outputs=()) -> None:
+    """``prompt`` / ``outputs``: lists of (key, TokenType)."""
+    b.add(t=t, session=session, turn=turn, app=app, prompt_tokens=len(prompt) * BS,
+          output_tokens=len(outputs) * BS, prompt_keys=[k for k, _ in prompt], prompt_types=[t_ for _, t_ in prompt],
+          output_keys=[k for k, _ in outputs], output_types=[t_ for _, t_ in outputs])
+
+
+def routing_trace() -> Trace:
+    b = TraceBuilder(block_size=BS)
+    # chat session 1: turn 1 (no template) and turn 2
+    add(b, 0.0, 1, 1, AppType.CHAT, [(100, T.SYSTEM), (101, T.USER)], [(102, T.ASSISTANT)])
+    add(b, 5.0, 1, 2, AppType.CHAT, [(100, T.SYSTEM), (101, T.USER), (102, T.ASSISTANT), (103, T.USER)],
+        [(104, T.ASSISTANT), (105, T.ASSISTANT)])
+    # agent session 2: turn 1 and turn 2
+    add(b, 6.0, 2, 1, AppType.AGENT, [(200, T.SYSTEM), (201, T.TEMPLATE), (202, T.USER)], [(203, T.ASSISTANT)])
+    add(b, 7.0, 2, 2, AppType.AGENT, [(200, T.SYSTEM), (201, T.TEMPLATE), (202, T.USER), (203, T.ASSISTANT),
+                                      (204, T.TOOL_OUTPUT)], [(205, T.ASSISTANT)])
+    # single-turn templated request (no session)
+    add(b, 8.0, -1, 1, AppType.SINGLE_TURN, [(300, T.SYSTEM), (301, T.TEMPLATE), (302, T.USER), (303, T.USER)],
+        [(304, T.ASSISTANT)])
+    # a first request with no template and an unknown app: may start a conversation
+    add(b, 9.0, 4, 1, AppType.UNKNOWN, [(400, T.USER), (401, T.TOOL_OUTPUT)], [(402, T.ASSISTANT)])
+    # a chat turn whose output opens with reasoning: the whole output (the straddling USER block too) goes to PE
+    add(b, 10.0, 5, 1, AppType.CHAT, [(500, T.USER)], [(501, T.USER), (502, T.REASONING), (503, T.ASSISTANT),
+                                                        (504, T.UNKNOWN)])
+    add(b, 11.0, 5, 2, AppType.CHAT, [(500, T.USER), (505, T.USER)], [(506, T.ASSISTANT)])
+    return b.build()
+
+
+def test_routing_by_rule():
+    q = queues_after(routing_trace())
+    expect = {100: ST, 101: CH, 102: CH, 103: CH, 104: CH, 105: CH,  # chat: structural head, the rest chat
+              200: ST, 201: ST, 202: AG, 203: AG, 204: AG, 205: AG,  # agent app -> agent queue from turn 1
+              300: ST, 301: ST, 302: PE, 303: PE, 304: PE,  # templated first request -> single-turn -> PE
+              400: CH, 401: CH, 402: CH,  # no template, not an agent: a possible conversation start
+              500: CH, 501: PE, 502: PE, 503: PE, 504: PE,  # output with reasoning: all PE
+              505: CH, 506: CH}
+    assert q == expect
+
+
+def test_routing_single_queue_when_multi_queue_off():
+    q = queues_after(routing_trace(), multi_queue=False)
+    assert set(q.values()) == {CH}
+
+
+@pytest.mark.parametrize("answer,threshold,expected", [
+    ((0.9, 0.1), 0.5, CH), ((0.2, 0.7), 0.5, AG), ((0.6, 0.55), 0.5, CH), ((0.3, 0.4), 0.5, PE),
+    ((0.3, 0.4), 0.35, AG), ((0.5, 0.0), 0.5, CH), ((0.49, 0.49), 0.5, PE)])
+def test_routing_first_request_by_predictor(answer, threshold, expected):
+    calls: list[int] = []
+
+    def predictor(trace, i):
+        calls.append(i)
+        return answer
+
+    q = queues_after(routing_trace(), predictor=predictor, continue_threshold=threshold)
+    # first requests: the predictor decides for every non-structural block (reasoning outputs stay PE)
+    for k in (101, 102, 202, 203, 302, 303, 304, 400, 401, 402, 500):
+        assert q[k] == expected, k
+    # later turns: by their app, whatever the predictor says
+    assert q[103] == q[104] == q[105] == CH
+    assert q[204] == q[205] == AG
+    # structural blocks stay structural, reasoning outputs PE
+    assert q[100] == q[201] == q[300] == q[301] == ST
+    assert q[501] == q[502] == q[503] == q[504] == PE
+    # asked about first requests only (turn 1), never about later turns
+    assert set(calls) == {0, 2, 4, 5, 6}
+
+
+def test_predictor_false_routes_by_rule():
+    assert queues_after(routing_trace(), predictor=False) == queues_after(routing_trace())
+
+
+def test_pe_blocks_are_evicted_first():
+    """A fresh PE block (single-turn templated request at t=100) goes before older chat / structural blocks."""
+    b = TraceBuilder(block_size=BS)
+    add(b, 0.0, 1, 1, AppType.CHAT, [(1, T.SYSTEM), (2, T.USER), (3, T.USER)], [(4, T.ASSISTANT)])
+    add(b, 100.0, -1, 1, AppType.SINGLE_TURN, [(10, T.TEMPLATE), (11, T.USER), (12, T.USER)], [])
+    add(b, 100.5, 3, 1, AppType.CHAT, [(20, T.USER), (21, T.USER)], [])
+    _, a = run(b.build(), 7)
+    assert a.victims == [12, 11]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 5. Priority formula and parameters
+
+PARAMS = {"alpha_st": 2.0, "alpha_ch": 0.5, "alpha_ag": 3.0, "w_system": 1.5, "w_template": 0.8, "w_user": 2.0,
+          "w_assistant": 0.3, "w_tool_output": 4.0, "w_reasoning": 0.1, "w_unknown": 1.0, "mu_chat": 2.0,
+          "sigma_chat": 0.7, "mu_agent": 0.5, "sigma_agent": 1.2, "gamma": 2.5}
+
+
+def block(queue: int, btype: int, last_access: float, x: float | None = None) -> Block:
+    b = Block(1, None, 3, btype, last_access)
+    b.queue = queue
+    b.pdata = x
+    return b
+
+
+def expected_priority(queue, btype, dt, x=None, *, type_weights=True, adaptive_alpha=True, lognormal=True,
+                      position_decay=True, params=PARAMS, min_dt=1e-3) -> float:
+    dt = max(dt, min_dt)
+    alpha = {PE: 1.0, ST: params["alpha_st"], CH: params["alpha_ch"], AG: params["alpha_ag"]}[queue]
+    alpha = alpha if adaptive_alpha else 1.0
+    w = params[f"w_{TokenType(btype).name.lower()}"] if type_weights else 1.0
+    if queue in (CH, AG):
+        mu, sigma = (params["mu_chat"], params["sigma_chat"]) if queue == CH else (params["mu_agent"],
+                                                                                  params["sigma_agent"])
+        p = (lognorm.sf(dt, s=sigma, scale=math.exp(mu)) if lognormal
+             else math.exp(-dt / math.exp(mu + sigma ** 2 / 2)))
+    elif queue == ST:
+        p = 1.0 - x ** params["gamma"] if position_decay else 1.0
+    else:
+        p = 1.0
+    return alpha * w * p / dt
+
+
+CASES = [(CH, T.USER, 5.0, None), (CH, T.ASSISTANT, 40.0, None), (CH, T.USER, 0.2, None),
+         (AG, T.TOOL_OUTPUT, 1.5, None), (AG, T.ASSISTANT, 12.0, None), (ST, T.SYSTEM, 3.0, 0.0),
+         (ST, T.TEMPLATE, 3.0, 0.4), (ST, T.TEMPLATE, 0.5, 0.95), (PE, T.REASONING, 2.0, None),
+         (PE, T.USER, 7.0, None), (CH, T.USER, 1e-5, None), (ST, T.SYSTEM, 0.0, 0.5)]
+
+
+@pytest.mark.parametrize("switch", [None, "type_weights", "adaptive_alpha", "lognormal", "position_decay"])
+def test_priority_formula(switch):
+    opts = {} if switch is None else {switch: False}
+    policy = SAECachePolicy(params=PARAMS, **opts)
+    now = 100.0
+    for q, t, dt, x in CASES:
+        got = policy.priority(block(q, t, now - dt, x), now)
+        want = expected_priority(q, t, dt, x, **opts)
+        assert got == pytest.approx(want, rel=1e-9), (q, t, dt, x, switch)
+
+
+def test_priority_all_switches_off_is_recency():
+    policy = SAECachePolicy(params=PARAMS, **ALL_OFF)
+    now = 50.0
+    for q, t, dt, x in CASES:
+        if q == CH:
+            want = math.exp(-max(dt, 1e-3) / math.exp(2.0 + 0.7 ** 2 / 2)) / max(dt, 1e-3)
+            assert policy.priority(block(q, t, now - dt, x), now) == pytest.approx(want, rel=1e-9)
+        if q in (ST, PE):
+            assert policy.priority(block(q, t, now - dt, x), now) == pytest.approx(1 / max(dt, 1e-3), rel=1e-9)
+
+
+def test_set_params_changes_priority():
+    policy = SAECachePolicy()
+    b = block(CH, T.USER, 0.0)
+    before = policy.priority(b, 10.0)
+    policy.set_params({"alpha_ch": 4.0})
+    assert policy.priority(b, 10.0) == pytest.approx(4 * before)
+    policy.set_params({"mu_chat": 2.0, "sigma_chat": 0.5})
+    assert policy.priority(b, 10.0) == pytest.approx(4 * lognorm.sf(10, s=0.5, scale=math.exp(2.0)) / 10)
+
+
+def test_set_params_clips_counts_and_rejects():
+    policy = SAECachePolicy()
+    specs = {p.name: p for p in PARAM_SPECS}
+    n = policy.set_params({"gamma": 1e6, "alpha_ch": -3.0, "mu_chat": 3.0, "sigma_agent": float("nan")})
+    assert n == 3  # two clipped, one NaN ignored
+    assert policy.params["gamma"] == specs["gamma"].high
+    assert policy.params["alpha_ch"] == specs["alpha_ch"].low
+    assert policy.params["mu_chat"] == 3.0
+    assert policy.params["sigma_agent"] == specs["sigma_agent"].default
+    with pytest.raises(ValueError, match="no parameter"):
+        policy.set_params({"gamma": 1.0, "beta": 2.0})
+    with pytest.raises(ValueError):
+        policy.set_params([1.0, 2.0])
+    vec = [p.default for p in PARAM_SPECS]
+    vec[-1] = 100.0
+    assert policy.set_params(vec) == 1
+    assert policy.params["gamma"] == specs["gamma"].high
+    assert SAECachePolicy(params={"gamma": 0.0}).params["gamma"] == specs["gamma"].low
+    with pytest.raises(ValueError):
+        SAECachePolicy(params={"nope": 1.0})
+    with pytest.raises(ValueError):
+        SAECachePolicy(sample=0)
+    with pytest.raises(ValueError):
+        SAECachePolicy(min_dt=0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the policy measures for its learners
+
+
+def reference_gaps(trace: Trace) -> dict[str, list[float]]:
+    """Log inter-arrival gaps of later turns, by queue (app AGENT -> agent, else chat); zero gaps skipped."""
+    last: dict[int, float] = {}
+    out = {"chat": [], "agent": []}
+    for i in range(len(trace)):
+        s = int(trace.session[i])
+        if s < 0:
+            continue
+        if s in last and trace.turn[i] > 1:
+            gap = trace.t[i] - last[s]
+            if gap > 0:
+                out["agent" if trace.app[i] == AppType.AGENT else "chat"].append(math.log(gap))
+        last[s] = float(trace.t[i])
+    return out
+
+
+def test_gap_stats_match_the_trace():
+    tr = tiny()
+    r, _ = run(tr, 10_000, window_requests=7, audit=False)
+    ref = reference_gaps(tr)
+    for name in ("chat", "agent"):
+        got = np.sum([w.policy["gap_stats"][name] for w in r.windows], axis=0)
+        lg = np.array(ref[name])
+        assert got[0] == lg.size > 5
+        assert got[1] == pytest.approx(lg.sum(), rel=1e-9)
+        assert got[2] == pytest.approx((lg ** 2).sum(), rel=1e-9)
+
+
+def test_window_stats_queue_counts():
+    tr = tiny()
+    r, _ = run(tr, 60, window_requests=10, audit=False)
+    for w in r.windows:
+        occ = w.policy["queue_occupancy"]
+        assert sum(occ) == w.occupancy
+        assert {q: n for q, n in enumerate(occ) if n} == w.occupancy_by_queue
+        assert sum(w.policy["queue_hits"]) >= w.hit_blocks
+    counts = {}
+    for b in r.cache.blocks.values():
+        counts[b.queue] = counts.get(b.queue, 0) + 1
+    assert counts == r.policy.occupancy_by_queue()
