@@ -1,0 +1,39 @@
+"""Agents that set an eviction policy's parameters through :class:`sae_env.env.PrefixCacheEnv`.
+
+``make_agent(name, **options)`` builds one by name (``agent_names()`` lists them); to add an agent, implement
+:class:`agents.base.Agent` and add one line to ``AGENTS`` (``"module:Class"``, imported lazily, so that an agent's
+heavy dependencies such as torch load only when it is used).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from agents.base import Agent, BaseAgent
+from agents.evaluate import evaluate, make_env
+from agents.fixed import BaselineAgent, FixedAgent, SAEOnlineAgent, load_params, save_params
+
+AGENTS: dict[str, str] = {
+    "fixed": "agents.fixed:FixedAgent",
+    "baseline": "agents.fixed:BaselineAgent",
+    "sae_online": "agents.fixed:SAEOnlineAgent",
+}
+
+__all__ = ["AGENTS", "Agent", "BaseAgent", "BaselineAgent", "FixedAgent", "SAEOnlineAgent", "agent_names",
+           "evaluate", "load_params", "make_agent", "make_env", "save_params"]
+
+
+def agent_names() -> list[str]:
+    return list(AGENTS)
+
+
+def make_agent(name: str, **options: Any) -> Agent:
+    """Build the named agent; unknown names or options raise ValueError."""
+    if name not in AGENTS:
+        raise ValueError(f"unknown agent '{name}'; valid agents: {', '.join(agent_names())}")
+    module, cls = AGENTS[name].split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)(**options)
+    except TypeError as e:
+        raise ValueError(f"agent '{name}': bad options {sorted(options)} ({e})") from None

@@ -1,0 +1,702 @@
+"""PrefixCacheEnv: a thin Gymnasium adapter over :class:`sae_env.replay.Replay` (registered as ``ENV_ID``).
+
+One episode replays one trace (or a sampled segment of it) through a fresh cache, policy and server; one step
+applies the agent's action as the policy's parameters and replays one window. Everything that decides an outcome
+lives in :mod:`sae_env.replay`, :mod:`sae_env.cache` and the policies; this module only translates:
+
+* **actions -> parameters.** A component ``a`` in ``[-1, 1]`` maps affinely onto its :class:`ParamSpec`'s bounds,
+  in log space when ``spec.log``: ``v = lo + (a + 1) / 2 * (hi - lo)`` (or ``exp`` of that over ``ln lo, ln hi``).
+  The inverse (:meth:`PrefixCacheEnv.params_to_action`) is exact in the round trip: the env remembers the last
+  :data:`_MEMO` encodings it made, so an action it produced decodes to exactly the values it was made from (a
+  float32 action alone would round them by ~1e-7 relative, enough to change a replay). An action that leaves every
+  value unchanged does not call ``set_params`` at all, so an agent that holds the defaults replays exactly like a
+  plain :class:`Replay`. Out-of-range components are clipped to ``[-1, 1]``, NaN components keep the current value;
+  both are counted (``info["clipped"]``).
+* **WindowStats -> observation.** Rates and shares in ``[0, 1]``; gap statistics and parameters in ``[-1, 1]``;
+  latencies squashed with ``x / (1 + x)`` (seconds). Every Box is float32 with finite bounds; values are clipped
+  into them, so float rounding can never leave the space.
+
+Time is the trace clock: no wall-clock value reaches the observation, the reward or ``info``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import fields
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from sae_env.cache import PrefixCache, resolve_capacity
+from sae_env.metrics import WindowStats
+from sae_env.policies import make_policy, policy_class
+from sae_env.policies.base import EvictionPolicy, ParamSpec
+from sae_env.replay import Replay
+from sae_env.serving import make_server, scale_to_utilisation
+from sae_env.trace import N_APP_TYPES, N_TOKEN_TYPES, AppType, TokenType, Trace
+
+__all__ = ["DEFAULT_TRACE", "ENV_ID", "REWARDS", "PrefixCacheEnv", "action_to_values", "values_to_action",
+           "latency_summary", "percentile", "window_dict"]
+
+ENV_ID = "sae_env/PrefixCache-v0"
+REWARDS = ("hit_rate", "hit_tokens", "neg_ttft")
+N_QUEUES = 4  # observed queue ids 0..3 (SAECache's PE, ST, CH, AG; S3-FIFO's small, main; others: queue 0)
+_MEMO = 64  # remembered encodings (params_to_action -> action_to_params round trips)
+
+# The default workload: the synthetic "tiny" preset stretched to 600 s (~720 requests, ~4,000 distinct blocks, all
+# three session kinds); an episode of saecache at 10 % capacity replays in ~0.25 s.
+DEFAULT_TRACE: dict[str, Any] = {
+    "source": "synthetic", "preset": "tiny",
+    "phases": [{"duration": 600.0, "rate": 0.5, "mix": {"templated": 0.4, "chat": 0.3, "agent": 0.3},
+                "name": "tiny"}],
+}
+
+TraceSpec = Trace | Callable[[np.random.Generator], Trace] | Mapping[str, Any] | str | None
+
+_default_trace_cache: list[Trace] = []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parameter <-> action mapping (pure functions; the env adds the exact round trip)
+
+
+@functools.lru_cache(maxsize=64)
+def _scales(specs: tuple[ParamSpec, ...]) -> tuple[tuple[str, float, float, bool, float, float], ...]:
+    """Per spec: name, bounds, log flag, and the affine map's origin and span (in log space for log specs)."""
+    out = []
+    for p in specs:
+        lo, hi = (math.log(p.low), math.log(p.high)) if p.log else (p.low, p.high)
+        out.append((p.name, p.low, p.high, p.log, lo, hi - lo))
+    return tuple(out)
+
+
+def values_to_action(specs: tuple[ParamSpec, ...], values: Mapping[str, float]) -> np.ndarray:
+    """Each spec's value (clipped to its bounds) mapped into [-1, 1], log-scale where ``spec.log``; float64."""
+    out = []
+    for name, low, high, log, origin, span in _scales(specs):
+        v = min(high, max(low, float(values[name])))
+        x = ((math.log(v) if log else v) - origin) / span
+        out.append(min(1.0, max(-1.0, 2.0 * x - 1.0)))
+    return np.array(out, dtype=np.float64)
+
+
+def action_to_values(specs: tuple[ParamSpec, ...], action: np.ndarray) -> dict[str, float]:
+    """The inverse of :func:`values_to_action` for finite components in [-1, 1] (results clipped to the bounds)."""
+    out: dict[str, float] = {}
+    for (name, low, high, log, origin, span), a in zip(_scales(specs), np.asarray(action, dtype=np.float64).ravel()
+                                                       .tolist(), strict=True):
+        if a >= 1.0 or a <= -1.0:  # the bounds themselves, exactly (exp(log(x)) need not be x)
+            out[name] = high if a >= 1.0 else low
+            continue
+        y = origin + (a + 1.0) / 2.0 * span
+        out[name] = min(high, max(low, math.exp(y) if log else y))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configuration helpers
+
+
+def _load_trace_spec(spec: Mapping[str, Any] | str) -> Trace:
+    """A trace from a source spec ``{"source": name, "path": ..., **options}`` or an embedded data name / file."""
+    from sae_env.sources import load_source
+
+    if isinstance(spec, str):
+        from sae_env import data
+
+        if spec in data.ALL:
+            path, source = data.ALL[spec]
+            return load_source(source, path)[0]
+        from sae_env.trace import load_trace_file
+
+        return load_trace_file(spec)
+    spec = dict(spec)
+    if "source" not in spec:
+        raise ValueError(f"trace spec {spec!r} needs a 'source' (e.g. 'synthetic', 'mooncake')")
+    source = spec.pop("source")
+    path = spec.pop("path", None)
+    return load_source(source, path, **spec)[0]
+
+
+def _default_trace() -> Trace:
+    # Traces are read-only to the replay, so one per process serves every env built with the defaults.
+    if not _default_trace_cache:
+        _default_trace_cache.append(_load_trace_spec(DEFAULT_TRACE))
+    return _default_trace_cache[0]
+
+
+def _parse_window(window: int | str) -> tuple[int | None, float | None]:
+    """``int`` -> requests per window; ``"30s"`` -> trace seconds per window."""
+    if isinstance(window, str):
+        text = window.strip().lower()
+        try:
+            if text.endswith("s"):
+                seconds = float(text[:-1])
+                if not (seconds > 0 and math.isfinite(seconds)):
+                    raise ValueError
+                return None, seconds
+            window = int(text)
+        except ValueError:
+            raise ValueError(f"window {window!r} is neither a number of requests (e.g. 100) nor seconds "
+                             "(e.g. '30s')") from None
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be a number of requests >= 1 or a string of seconds ('30s'), got {window!r}")
+    return int(window), None
+
+
+def _gap_sums(trace: Trace) -> np.ndarray:
+    """Cumulative ``[count, sum ln gap, sum ln^2 gap]`` of inter-turn gaps, per app (chat, agent), over requests.
+
+    A request's gap is the time since the previous request of its session in ``trace`` (none for a session's first
+    request there, unknown sessions or zero gaps). Row ``i`` sums requests ``< i``, so a window ``[a, b)`` is
+    ``sums[b] - sums[a]``: O(1) per step.
+    """
+    n = len(trace)
+    gaps = np.zeros(n)
+    if n >= 2:
+        order = np.lexsort((np.arange(n), trace.session))
+        s = trace.session[order]
+        same = (s[1:] == s[:-1]) & (s[1:] >= 0)
+        later, earlier = order[1:][same], order[:-1][same]
+        gaps[later] = trace.t[later] - trace.t[earlier]
+    per = np.zeros((n, 6))
+    ok = gaps > 0
+    lg = np.log(np.where(ok, gaps, 1.0))
+    for k, kind in enumerate((AppType.CHAT, AppType.AGENT)):
+        m = ok & (trace.app == kind)
+        per[:, 3 * k] = m
+        per[:, 3 * k + 1] = np.where(m, lg, 0.0)
+        per[:, 3 * k + 2] = np.where(m, lg * lg, 0.0)
+    return np.vstack([np.zeros((1, 6)), np.cumsum(per, axis=0)])
+
+
+def _copy(x: Any) -> Any:
+    """A copy of nested dicts / lists of scalars (``copy.deepcopy`` costs ~10x more on the step path)."""
+    if isinstance(x, dict):
+        return {k: _copy(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_copy(v) for v in x]
+    return x
+
+
+_WINDOW_FIELDS = tuple(f.name for f in fields(WindowStats) if f.name not in ("ttft_ms", "queue_ms",
+                                                                                "hits_per_request"))
+
+
+_TYPE_NAMES = tuple(t.name for t in TokenType)
+_APP_NAMES = tuple(a.name for a in AppType)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """``np.percentile(values, q)`` (the default "linear" method), bit for bit, from already sorted values.
+
+    numpy's call costs ~50 us of machinery on a short list, per step; this is the same arithmetic in Python
+    floats (virtual index ``(n - 1) * q / 100``, numpy's two-sided lerp). A test checks the equality.
+    """
+    n = len(sorted_values)
+    v = (n - 1) * (q / 100)
+    if v >= n - 1:
+        return float(sorted_values[-1])
+    i = math.floor(v)
+    g = v - i
+    a, b = sorted_values[i], sorted_values[i + 1]
+    d = b - a
+    return float(b - d * (1 - g) if g >= 0.5 else a + d * g)
+
+
+def latency_summary(w: WindowStats) -> tuple[float, float, float, float | None] | None:
+    """``(mean, p50, p99)`` TTFT and mean queueing delay (ms) of a window, as ``to_dict`` computes them; None if
+    no first token came out in the window."""
+    if not w.ttft_ms:
+        return None
+    ordered = sorted(w.ttft_ms)
+    return (float(np.mean(w.ttft_ms)), percentile(ordered, 50), percentile(ordered, 99),
+            float(np.mean(w.queue_ms)) if w.queue_ms else None)
+
+
+def window_dict(w: WindowStats, latency: tuple | None = None) -> dict[str, Any]:
+    """``w.to_dict()`` without its None values (a test checks the equality), ~10x faster than ``asdict``.
+
+    None values are left out because gymnasium's vector envs stack info values into typed arrays. ``latency``:
+    :func:`latency_summary` of ``w`` if already computed.
+    """
+    d = {}
+    for name in _WINDOW_FIELDS:
+        v = getattr(w, name)
+        # Only ``policy`` nests; the other lists and dicts hold scalars, and a shallow copy is a full one.
+        d[name] = _copy(v) if name == "policy" else v.copy() if isinstance(v, (list, dict)) else v
+    d["token_hit_rate"] = w.token_hit_rate
+    d["block_hit_rate"] = w.block_hit_rate
+    lat = latency if latency is not None else latency_summary(w)
+    if lat is not None:
+        d["ttft_mean_ms"], d["ttft_p50_ms"], d["ttft_p99_ms"] = lat[:3]
+        if lat[3] is not None:
+            d["queue_mean_ms"] = lat[3]
+    elif w.queue_ms:
+        d["queue_mean_ms"] = float(np.mean(w.queue_ms))
+    hits, refs = w.hits_by_type, w.refs_by_type
+    d["hit_rate_by_type"] = {_TYPE_NAMES[k]: hits[k] / refs[k] for k in range(N_TOKEN_TYPES) if refs[k]}
+    n = w.requests
+    d["app_share"] = {_APP_NAMES[k]: c / n if n else 0.0 for k, c in enumerate(w.app_mix)}
+    return d
+
+
+def _box(low: float, high: float, n: int) -> spaces.Box:
+    return spaces.Box(low=low, high=high, shape=(n,), dtype=np.float32)
+
+
+def _rates(num: list, den: list) -> list[float]:
+    return [x / y if y else 0.0 for x, y in zip(num, den, strict=True)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The environment
+
+
+class PrefixCacheEnv(gym.Env):
+    """The prefix (KV) cache of an LLM server; the agent tunes an eviction policy's parameters window by window.
+
+    ### Description
+    Each episode replays a request trace (or a random contiguous segment of it) through a fresh
+    :class:`~sae_env.cache.PrefixCache` run by the named eviction policy and, optionally, a prefill server model
+    that turns cache hits into time to first token. Each step sets the policy's parameters and replays one window of
+    requests. The env is only an adapter: its per-window statistics equal a plain :class:`~sae_env.replay.Replay`
+    of the same trace, policy, capacity and window.
+
+    ### Action Space
+    ``Box(-1, 1, (d,), float32)`` with ``d`` = the policy's number of parameters (``param_specs``). Component
+    ``i`` maps affinely onto parameter ``i``'s bounds, on a log scale for log parameters. ``params_to_action`` /
+    ``action_to_params`` convert (exactly, for actions the env produced). Parameterless policies (lru, lfu, fifo,
+    s3fifo, belady) get ``Box(-1, 1, (1,))`` whose value is ignored (a shape ``(0,)`` Box breaks common tooling).
+    Invalid actions: components outside ``[-1, 1]`` (inf included) are clipped, NaN components keep the current
+    value; both are counted in ``info["clipped"]`` (per episode). A wrong shape is a ValueError.
+
+    ### Observation Space
+    A ``Dict`` of float32 Boxes describing the last window (all zeros after ``reset`` except ``params`` and
+    ``progress``; gymnasium orders the keys alphabetically):
+
+    ====================  =======  ===========================================================================
+    ``hit_rate``          (2,)     token and block hit rate, [0, 1]
+    ``cache``             (3,)     occupancy / capacity, evictions / inserted blocks, bypassed / offered blocks
+    ``queue_hit_share``   (4,)     hit blocks per queue / all hit blocks (policies reporting ``queue_hits``,
+                                   i.e. saecache; zeros otherwise)
+    ``queue_occupancy``   (4,)     cached blocks per queue / capacity (single-queue policies: queue 0 only)
+    ``type_hit_rate``     (7,)     hit rate per TokenType (0 where the type is not referenced)
+    ``type_ref_share``    (7,)     share of the window's prompt blocks per TokenType
+    ``miss_after_evict``  (7,)     misses on evicted keys (ghost hits) / references, per TokenType
+    ``app_mix``           (4,)     share of requests per AppType
+    ``gaps``              (6,)     chat then agent: mean ln(inter-turn gap s) / 10 in [-1, 1], its std / 5 in
+                                   [0, 1], share of the window's requests that are follow-up turns of that app
+    ``latency``           (3,)     mean TTFT, p99 TTFT, mean queueing delay, each ``x / (1 + x)`` of seconds
+                                   (zeros with the instant server)
+    ``params``            (d,)     the parameters in effect, mapped into [-1, 1] as actions are
+    ``progress``          (1,)     requests replayed / requests in the episode
+    ====================  =======  ===========================================================================
+
+    ### Rewards
+    ``reward="hit_rate"`` (default): the window's token hit rate. ``"hit_tokens"``: hit tokens / ``reward_scale``
+    (default 1e4). ``"neg_ttft"``: minus the mean TTFT in seconds of the first tokens produced in the window (0 if
+    none); it needs a timed server.
+
+    ### Starting State
+    An empty cache; the policy at its defaults (plus ``policy_options``). With ``segment_requests=N`` the episode
+    replays ``N`` consecutive requests starting at a position drawn from ``self.np_random`` (or
+    ``options={"segment_start": k}``); with a trace factory the trace is drawn from ``self.np_random``.
+
+    ### Episode End
+    ``terminated`` when the episode's trace is exhausted; ``truncated`` after ``max_steps`` steps (if given).
+    Stepping a finished episode raises RuntimeError.
+
+    ### Info
+    ``window``: :meth:`WindowStats.to_dict` of the window (None values left out; no wall-clock values),
+    ``params``: the parameters used in the window, ``clipped``: invalid action components this episode,
+    ``step``, ``requests_done``; after ``reset``: ``capacity_blocks``, ``trace_requests``, ``segment_start``.
+    The last :class:`WindowStats` object itself is ``env.unwrapped.last_stats``; the replay ``env.unwrapped.replay``.
+
+    ### Arguments
+    * ``trace``: a :class:`Trace`; a factory ``f(rng) -> Trace`` called at every reset; a source spec
+      ``{"source": "synthetic", "preset": "tiny", ...}`` / ``{"source": "mooncake", "path": ...}``; the name of an
+      embedded trace (``sae_env.data.ALL``) or a native trace file. Default: :data:`DEFAULT_TRACE`.
+    * ``capacity``: blocks (int), a fraction of the episode trace's distinct blocks (float), or a string (``"10%"``,
+      ``"2GiB"`` with a timed server); default 0.1.
+    * ``policy`` (default ``"saecache"``) and ``policy_options`` (constructor options, e.g. switches, predictor).
+    * ``serving``: ``"instant"`` (default) or a server spec for :func:`sae_env.serving.make_server`;
+      ``load``: target utilisation, rescales arrival times (timed servers only).
+    * ``window``: requests per step (int, default 100) or trace seconds (``"30s"``).
+    * ``reward``, ``reward_scale``: see Rewards. ``max_steps``: truncation. ``segment_requests``: see Starting State.
+    * ``ghost_capacity``, ``cache_outputs``: passed to :class:`PrefixCache`. ``render_mode``: None or ``"ansi"``.
+    """
+
+    metadata = {"render_modes": ["ansi"], "render_fps": 4}
+
+    def __init__(self, trace: TraceSpec = None, capacity: float | int | str = 0.1, policy: str = "saecache",
+                 policy_options: Mapping[str, Any] | None = None, serving: str | Mapping[str, Any] = "instant",
+                 window: int | str = 100, reward: str = "hit_rate", reward_scale: float = 1e4,
+                 max_steps: int | None = None, segment_requests: int | None = None, load: float | None = None,
+                 ghost_capacity: int | None = None, cache_outputs: bool = True, render_mode: str | None = None):
+        super().__init__()
+        # -- the trace
+        self._factory: Callable[[np.random.Generator], Trace] | None = None
+        self._base_trace: Trace | None = None
+        if trace is None:
+            self._base_trace = _default_trace()
+        elif isinstance(trace, Trace):
+            self._base_trace = trace
+        elif isinstance(trace, (Mapping, str)):
+            self._base_trace = _load_trace_spec(trace)
+        elif callable(trace):
+            self._factory = trace
+        else:
+            raise ValueError(f"trace must be a Trace, a factory f(rng) -> Trace, a source spec dict or a name; got "
+                             f"{type(trace).__name__}")
+        if self._base_trace is not None and len(self._base_trace) == 0:
+            raise ValueError("the trace has no requests")
+        if segment_requests is not None and (isinstance(segment_requests, bool) or int(segment_requests) < 1):
+            raise ValueError(f"segment_requests must be >= 1, got {segment_requests!r}")
+        self.segment_requests = None if segment_requests is None else int(segment_requests)
+        # -- the policy (built once here to validate its options and learn its parameters)
+        self.policy_name = policy
+        self.policy_options = dict(policy_options or {})
+        probe = make_policy(policy, **self.policy_options)
+        self.param_specs: tuple[ParamSpec, ...] = tuple(policy_class(policy).param_specs)
+        self.default_params: dict[str, float] = probe.params
+        # -- serving, capacity, windows, reward
+        self.serving = serving
+        timed = make_server(serving).timed
+        if reward not in REWARDS:
+            raise ValueError(f"unknown reward {reward!r}; valid: {list(REWARDS)}")
+        if reward == "neg_ttft" and not timed:
+            raise ValueError("reward 'neg_ttft' needs a timed server (serving='qwen2.5-1.5b@a40', ...), not 'instant'")
+        if not (reward_scale > 0 and math.isfinite(reward_scale)):
+            raise ValueError(f"reward_scale must be positive, got {reward_scale!r}")
+        if load is not None and not timed:
+            raise ValueError("load (target utilisation) needs a timed server, not 'instant'")
+        if load is not None and not (load > 0 and math.isfinite(load)):
+            raise ValueError(f"load must be a positive utilisation, got {load!r}")
+        if max_steps is not None and (isinstance(max_steps, bool) or int(max_steps) < 1):
+            raise ValueError(f"max_steps must be >= 1, got {max_steps!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, float, str, np.integer, np.floating)):
+            raise ValueError(f"capacity must be blocks, a fraction or a string, got {capacity!r}")
+        self.capacity = capacity
+        self.timed = timed
+        self.window_requests, self.window_seconds = _parse_window(window)
+        self.reward_kind = reward
+        self.reward_scale = float(reward_scale)
+        self.max_steps = None if max_steps is None else int(max_steps)
+        self.load = load
+        self.ghost_capacity = ghost_capacity
+        self.cache_outputs = cache_outputs
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode must be None or one of {self.metadata['render_modes']}, got "
+                             f"{render_mode!r}")
+        self.render_mode = render_mode
+        # -- spaces
+        d = len(self.param_specs)
+        self.action_space = _box(-1.0, 1.0, max(d, 1))
+        self.observation_space = spaces.Dict({
+            "hit_rate": _box(0.0, 1.0, 2),
+            "cache": _box(0.0, 1.0, 3),
+            "queue_hit_share": _box(0.0, 1.0, N_QUEUES),
+            "queue_occupancy": _box(0.0, 1.0, N_QUEUES),
+            "type_hit_rate": _box(0.0, 1.0, N_TOKEN_TYPES),
+            "type_ref_share": _box(0.0, 1.0, N_TOKEN_TYPES),
+            "miss_after_evict": _box(0.0, 1.0, N_TOKEN_TYPES),
+            "app_mix": _box(0.0, 1.0, N_APP_TYPES),
+            "gaps": _box(-1.0, 1.0, 6),
+            "latency": _box(0.0, 1.0, 3),
+            "params": _box(-1.0, 1.0, max(d, 1)),
+            "progress": _box(0.0, 1.0, 1),
+        })
+        self._obs_slices: dict[str, tuple[int, int]] = {}
+        lows, highs = [], []
+        for key, box in self.observation_space.spaces.items():
+            a = sum(len(x) for x in lows)
+            self._obs_slices[key] = (a, a + box.shape[0])
+            lows.append(box.low.astype(np.float64))
+            highs.append(box.high.astype(np.float64))
+        self._obs_low, self._obs_high = np.concatenate(lows).tolist(), np.concatenate(highs).tolist()
+        self._obs_size = len(self._obs_low)
+        # -- episode state
+        self._memo: OrderedDict[bytes, dict[str, float]] = OrderedDict()
+        self.trace: Trace | None = None
+        self.replay: Replay | None = None
+        self.last_stats: WindowStats | None = None
+        self._latency: tuple | None = None
+        self.segment_start = 0
+        self._gap_sums = np.zeros((1, 6))
+        self._steps = 0
+        self._clipped = 0
+        self._done = True
+
+    # -- parameters <-> actions ----------------------------------------------------------------------------------
+    @property
+    def policy(self) -> EvictionPolicy | None:
+        """The current episode's policy (None before the first reset)."""
+        return None if self.replay is None else self.replay.policy
+
+    @property
+    def params(self) -> dict[str, float]:
+        """The parameters in effect (the defaults before the first reset)."""
+        return self.policy.params if self.policy is not None else dict(self.default_params)
+
+    def params_to_action(self, values: Mapping[str, float] | None = None) -> np.ndarray:
+        """An action (float32) that sets these parameter values; names left out keep their current values.
+
+        Values are clipped to their bounds; unknown names or non-finite values raise ValueError. The env remembers
+        the encoding, so that :meth:`action_to_params` (and :meth:`step`) turn it back into exactly these values.
+        """
+        if not self.param_specs:
+            if values:
+                raise ValueError(f"policy {self.policy_name!r} has no parameters, got {sorted(values)}")
+            return np.zeros(1, dtype=np.float32)
+        full = self.params
+        valid = {p.name for p in self.param_specs}
+        for name, v in (values or {}).items():
+            if name not in valid:
+                raise ValueError(f"policy {self.policy_name!r} has no parameter {name!r}; valid: {sorted(valid)}")
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
+                raise ValueError(f"parameter {name!r}: need a finite number, got {v!r}")
+            full[name] = float(v)
+        full = {p.name: p.clip(full[p.name]) for p in self.param_specs}
+        action = values_to_action(self.param_specs, full).astype(np.float32)
+        key = action.tobytes()
+        self._memo[key] = full
+        self._memo.move_to_end(key)
+        while len(self._memo) > _MEMO:
+            self._memo.popitem(last=False)
+        return action
+
+    def action_to_params(self, action: np.ndarray) -> dict[str, float]:
+        """The parameter values an in-range action stands for (exact for actions from :meth:`params_to_action`)."""
+        a = np.asarray(action, dtype=np.float64).reshape(-1)
+        if a.size != self.action_space.shape[0]:
+            raise ValueError(f"action has {a.size} components, the action space {self.action_space.shape}")
+        if not self.param_specs:
+            return {}
+        if not np.all(np.isfinite(a)) or np.any(np.abs(a) > 1.0):
+            raise ValueError("action_to_params needs finite components in [-1, 1] (step() clips them)")
+        hit = self._recall(a)
+        return hit if hit is not None else action_to_values(self.param_specs, a)
+
+    def _recall(self, action: np.ndarray) -> dict[str, float] | None:
+        """The exact values behind an action made by :meth:`params_to_action` (None if not remembered)."""
+        key = np.asarray(action, dtype=np.float32).tobytes()
+        hit = self._memo.get(key)
+        if hit is None:
+            return None
+        self._memo.move_to_end(key)  # least recently used goes first: an agent's constant action stays
+        return dict(hit)
+
+    def noop_action(self) -> np.ndarray:
+        """The action that leaves every parameter as it is (zeros for parameterless policies)."""
+        return self.params_to_action()
+
+    def _apply_action(self, action: Any) -> None:
+        try:
+            a = np.asarray(action, dtype=np.float64).reshape(-1)
+        except (TypeError, ValueError):
+            raise ValueError(f"action must be numeric with shape {self.action_space.shape}, got {action!r}") from None
+        if a.size != self.action_space.shape[0]:
+            raise ValueError(f"action has shape {np.shape(action)}, the action space {self.action_space.shape}")
+        comps = a.tolist()  # a handful of components: Python floats beat numpy's per-call cost here
+        nan = [x != x for x in comps]
+        bad = sum(1 for x, n in zip(comps, nan, strict=True) if n or x < -1.0 or x > 1.0)
+        self._clipped += bad
+        if not self.param_specs:
+            return
+        policy = self.policy
+        current = policy.params
+        values = self._recall(a) if bad == 0 else None
+        if values is None:
+            values = action_to_values(self.param_specs, [0.0 if n else min(1.0, max(-1.0, x))
+                                                         for x, n in zip(comps, nan, strict=True)])
+            for p, is_nan in zip(self.param_specs, nan, strict=True):
+                if is_nan:
+                    values[p.name] = current[p.name]
+        if values != current:
+            policy.set_params(values)
+
+    # -- gymnasium API -------------------------------------------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        options = dict(options or {})
+        unknown = sorted(set(options) - {"segment_start"})
+        if unknown:
+            raise ValueError(f"unknown reset option(s) {unknown}; valid: ['segment_start']")
+        trace = self._factory(self.np_random) if self._factory is not None else self._base_trace
+        if not isinstance(trace, Trace) or len(trace) == 0:
+            raise ValueError(f"the trace factory must return a non-empty Trace, got {trace!r}")
+        start = 0
+        n = self.segment_requests
+        if n is not None and n < len(trace):
+            if "segment_start" in options:
+                start = int(options["segment_start"])
+                if not 0 <= start <= len(trace) - n:
+                    raise ValueError(f"segment_start {start} outside [0, {len(trace) - n}]")
+            else:
+                start = int(self.np_random.integers(0, len(trace) - n + 1))
+            trace = trace[start:start + n]
+        elif "segment_start" in options and int(options["segment_start"]) != 0:
+            raise ValueError("segment_start needs segment_requests smaller than the trace")
+        server = make_server(self.serving)
+        if self.load is not None:
+            service = server.cost.prefill_times(trace.prompt_tokens, 0)
+            trace = trace.with_times(scale_to_utilisation(trace.t, service, self.load))
+        kv_bytes = getattr(getattr(getattr(server, "cost", None), "model", None), "kv_bytes_per_token", None)
+        capacity = resolve_capacity(self.capacity, trace.distinct_blocks(), kv_bytes, trace.block_size)
+        policy = make_policy(self.policy_name, **self.policy_options)
+        cache = PrefixCache(capacity, policy, ghost_capacity=self.ghost_capacity, cache_outputs=self.cache_outputs)
+        self.trace = trace
+        self.segment_start = start
+        self.replay = Replay(trace, cache, server, window_requests=self.window_requests,
+                             window_seconds=self.window_seconds)
+        self.last_stats = None
+        self._latency = None
+        self._gap_sums = _gap_sums(trace)
+        self._steps = 0
+        self._clipped = 0
+        self._done = False
+        info = {"params": policy.params, "clipped": 0, "step": 0, "requests_done": 0,
+                "capacity_blocks": capacity, "trace_requests": len(trace), "segment_start": start}
+        return self._get_obs(), info
+
+    def step(self, action: Any):
+        if self.replay is None:
+            raise RuntimeError("call reset() before step()")
+        if self._done:
+            raise RuntimeError("the episode has ended; call reset()")
+        self._apply_action(action)
+        stats = self.replay.step()
+        self.last_stats = stats
+        self._latency = latency_summary(stats)
+        self._steps += 1
+        terminated = self.replay.done
+        truncated = (not terminated) and self.max_steps is not None and self._steps >= self.max_steps
+        self._done = terminated or truncated
+        return self._get_obs(), self._reward(stats), terminated, truncated, self._get_info()
+
+    def _reward(self, w: WindowStats) -> float:
+        if self.reward_kind == "hit_rate":
+            return float(w.token_hit_rate)
+        if self.reward_kind == "hit_tokens":
+            return w.hit_tokens / self.reward_scale
+        return -float(np.mean(w.ttft_ms)) / 1e3 if w.ttft_ms else 0.0
+
+    def _get_info(self) -> dict[str, Any]:
+        w = self.last_stats
+        return {"window": window_dict(w, self._latency) if w is not None else {}, "params": self.params,
+                "clipped": self._clipped, "step": self._steps,
+                "requests_done": 0 if self.replay is None else self.replay.next_request}
+
+    def _get_obs(self) -> dict[str, np.ndarray]:
+        # Features are assembled as Python floats (the vectors are 1-7 long: numpy calls would cost more than the
+        # arithmetic), then clipped into the bounds and converted in one go, and split by key.
+        vals = [0.0] * self._obs_size
+        sl = self._obs_slices
+        if self.param_specs:
+            a, b = sl["params"]
+            vals[a:b] = values_to_action(self.param_specs, self.params).tolist()
+        vals[sl["progress"][0]] = self.replay.next_request / len(self.trace) if self.replay is not None else 0.0
+        w = self.last_stats
+        if w is not None:
+            for key, value in self._window_features(w).items():
+                a, b = sl[key]
+                vals[a:b] = value
+        # Clipped in float64; rounding to float32 is monotone and the bounds (0, +-1) are exact, so it stays inside.
+        vals = [lo if x < lo else hi if x > hi else x for x, lo, hi in zip(vals, self._obs_low, self._obs_high,
+                                                                          strict=True)]
+        vec = np.array(vals, dtype=np.float32)
+        return {k: vec[a:b] for k, (a, b) in sl.items()}
+
+    def _window_features(self, w: WindowStats) -> dict[str, list[float]]:
+        """The observation's window features by key (before clipping)."""
+        refs = w.refs_by_type
+        n_refs = sum(refs)
+        cap = w.capacity
+        occ = [0.0] * N_QUEUES
+        for q, n in w.occupancy_by_queue.items():
+            if 0 <= q < N_QUEUES:
+                occ[q] = n / cap
+        qh = [0.0] * N_QUEUES
+        reported = w.policy.get("queue_hits") if isinstance(w.policy, dict) else None
+        if reported:
+            n_hits = sum(reported)
+            for q, h in enumerate(reported[:N_QUEUES]):
+                qh[q] = h / n_hits if n_hits else 0.0
+        offered = w.inserted + w.bypasses
+        g = (self._gap_sums[w.start + w.requests] - self._gap_sums[w.start]).tolist()
+        gaps = [0.0] * 6
+        for k in (0, 3):
+            n = g[k]
+            if n > 0:
+                mean = g[k + 1] / n
+                gaps[k] = mean / 10.0
+                gaps[k + 1] = math.sqrt(max(g[k + 2] / n - mean * mean, 0.0)) / 5.0
+                gaps[k + 2] = n / w.requests
+        lat = self._latency
+        if lat is None:
+            latency = [0.0, 0.0, 0.0]
+        else:
+            # seconds squashed into [0, 1)
+            latency = [x / 1e3 / (1.0 + x / 1e3) for x in (lat[0], lat[2], lat[3] or 0.0)]
+        return {
+            "hit_rate": [w.token_hit_rate, w.block_hit_rate],
+            "cache": [w.occupancy / cap, w.evictions / w.inserted if w.inserted else 0.0,
+                      w.bypasses / offered if offered else 0.0],
+            "queue_hit_share": qh,
+            "queue_occupancy": occ,
+            "type_hit_rate": _rates(w.hits_by_type, refs),
+            "type_ref_share": [r / n_refs if n_refs else 0.0 for r in refs],
+            "miss_after_evict": _rates(w.miss_after_eviction_by_type, refs),
+            "app_mix": [c / w.requests if w.requests else 0.0 for c in w.app_mix],
+            "gaps": gaps,
+            "latency": latency,
+        }
+
+    def render(self) -> str | None:
+        if self.render_mode != "ansi":
+            return None
+        return self._render_ansi()
+
+    def _render_ansi(self) -> str:
+        if self.replay is None:
+            return f"PrefixCacheEnv({self.policy_name}): not reset\n"
+        w, cache = self.last_stats, self.replay.cache
+        lines = [f"PrefixCacheEnv | policy {self.policy_name} | step {self._steps} | requests "
+                 f"{self.replay.next_request}/{len(self.trace)} | cache {len(cache)}/{cache.capacity} blocks"]
+        if w is None:
+            return "\n".join(lines) + "\n"
+        lines.append(f"window {w.index}: token hit {w.token_hit_rate:.3f}  block hit {w.block_hit_rate:.3f}  "
+                     f"evictions {w.evictions}  bypasses {w.bypasses}  reward {self._reward(w):.4f}")
+        names = _queue_names(self.policy_name)
+        qh = w.policy.get("queue_hits") if isinstance(w.policy, dict) else None
+        for q in sorted(set(names) | set(w.occupancy_by_queue)):
+            n = w.occupancy_by_queue.get(q, 0)
+            bar = "#" * int(round(20 * n / w.capacity))
+            hits = f"  hits {qh[q]}" if qh and q < len(qh) else ""
+            lines.append(f"  {names.get(q, f'queue {q}'):<18} [{bar:<20}] {n / w.capacity:6.1%}{hits}")
+        rates = [f"{TokenType(k).name.lower()} {w.hits_by_type[k] / w.refs_by_type[k]:.2f}"
+                 for k in range(N_TOKEN_TYPES) if w.refs_by_type[k]]
+        lines.append("  hit rate by type: " + ", ".join(rates))
+        return "\n".join(lines) + "\n"
+
+
+def _queue_names(policy: str) -> dict[int, str]:
+    if policy == "saecache":
+        from sae_env.policies.saecache import QUEUES
+
+        return dict(enumerate(QUEUES))
+    if policy == "s3fifo":
+        from sae_env.policies.s3fifo import MAIN, SMALL
+
+        return {SMALL: "small", MAIN: "main"}
+    return {0: "cache"}
+
+
+if ENV_ID not in gym.registry:
+    gym.register(id=ENV_ID, entry_point="sae_env.env:PrefixCacheEnv")
