@@ -221,3 +221,20 @@ def test_outputs_inserted_late_carry_their_own_session():
         for k in np.concatenate([tr.prompt_blocks(i)[0], tr.output_blocks(i)[0]]).tolist():
             d = r.cache.blocks[k].pdata
             assert d[1] == i and d[0] == pytest.approx(np.log(p / (1 - p))), (i, k)
+
+
+def test_setting_unchanged_parameters_is_a_no_op():
+    """Agents send parameters every window: re-sending the current ones must not change a single hit."""
+    from sae_env.replay import replay as run
+    from sae_env.sources import load_source
+
+    trace, _ = load_source("synthetic", None, preset="contended")
+    trace = trace[:800]  # chat and agent gaps: the learned tau drifts between windows
+    cap = int(0.05 * trace.distinct_blocks())
+
+    def hits(callbacks):
+        r = run(trace, make_policy("lpc"), cap, window_requests=20, callbacks=callbacks)
+        return [h for w in r.windows for h in w.hits_per_request]
+
+    resend = [lambda stats, rep: rep.policy.set_params(rep.policy.params)]
+    assert hits(resend) == hits([])

@@ -125,12 +125,14 @@ class LPCPolicy(KeyedPolicy):
         return (self.fixed_tau if self.fixed_tau is not None else self._tau_learned) * self._params["tau_scale"]
 
     def params_changed(self) -> None:
-        old = getattr(self, "_shared_logit", None)
+        old = (getattr(self, "_shared_logit", None), getattr(self, "_keyed_scale", None))
         self._shared_logit = _logit(self._params["p_shared"])
         self._shared = (self._shared_logit, _SHARED)
-        # agents may set parameters every window: re-key only when a key would change
-        if self.cache is not None and (self._shared_logit != old or self.tau != self._keyed_tau):
+        # Agents may send the same parameters every window: re-key only when a parameter really changed, so that
+        # setting unchanged values is a no-op (tau's own drift is handled where tau is learned).
+        if self.cache is not None and (self._shared_logit, self._params["tau_scale"]) != old:
             self._rekey()
+        self._keyed_scale = self._params["tau_scale"]
 
     def _rekey(self) -> None:
         """Rebuild the heap's keys with the current tau (and p_shared)."""
