@@ -60,13 +60,40 @@ def parse_options(pairs: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def load_input(trace: str, source: str | None, options: dict[str, Any]) -> tuple[Trace, Any]:
-    """Load a trace from a path or an embedded name (``taubench``, ``wildchat``, ``mooncake_arxiv``, ...)."""
+# Sources that cut token sequences into blocks themselves, so they can honour any block size.
+RECUT_SOURCES = {"conversations", "taubench", "synthetic", "mix", "azure"}
+
+
+def load_input(trace: str, source: str | None, options: dict[str, Any],
+               block_size: int | None = None) -> tuple[Trace, Any]:
+    """Load a trace from a path or an embedded name (``taubench``, ``wildchat``, ``mooncake_arxiv``, ...).
+
+    ``block_size`` re-cuts text and synthetic sources; for hash-only ones (fixed by their data) and for native
+    traces it must match, or a UsageError says so.
+    """
+    if block_size is not None:
+        if block_size < 1:
+            raise UsageError(f"--block-size must be >= 1, got {block_size}")
+        trace_obj, report = _load_input(trace, source, options, block_size)
+        if trace_obj.block_size != block_size:
+            raise UsageError(f"--block-size {block_size} does not match the trace's block size "
+                             f"{trace_obj.block_size} (hash-only and native traces keep the block size of their data)")
+        return trace_obj, report
+    return _load_input(trace, source, options, None)
+
+
+def _load_input(trace: str, source: str | None, options: dict[str, Any],
+                block_size: int | None) -> tuple[Trace, Any]:
     from sae_env import data
     from sae_env.sources import load_source, source_names
 
+    def load(src: str, path: Any) -> tuple[Trace, Any]:
+        if block_size is not None and src in RECUT_SOURCES:
+            options.setdefault("block_size", block_size)
+        return load_source(src, path, **options)
+
     if trace in ("synthetic", "mix") and not Path(trace).exists():
-        return load_source(trace, None, **options)  # generated from options / presets, no file
+        return load(trace, None)  # generated from options / presets, no file
     if trace in data.ALL and not Path(trace).exists():
         path, default_source = data.ALL[trace]
         if trace == "taubench":
@@ -79,7 +106,7 @@ def load_input(trace: str, source: str | None, options: dict[str, Any]) -> tuple
             source = "trace"
         else:
             raise UsageError(f"say which format {trace} is in with --source (one of: {', '.join(source_names())})")
-    return load_source(source, trace if trace != "-" else None, **options)
+    return load(source, trace if trace != "-" else None)
 
 
 def _is_native(path: str) -> bool:
@@ -155,12 +182,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     bad = [p for p in names if p not in valid]
     if not names or bad:
         raise UsageError(f"unknown policy {bad or args.policy!r}; valid policies: {', '.join(valid)}")
-    options = parse_options(args.opt)
-    if args.block_size is not None:
-        options.setdefault("block_size", args.block_size)
-    trace, report = load_input(args.trace, args.source, options)
-    if args.block_size is not None and trace.block_size != args.block_size:
-        raise UsageError(f"--block-size {args.block_size} does not match the trace's block size {trace.block_size}")
+    trace, report = load_input(args.trace, args.source, parse_options(args.opt), args.block_size)
     print(report, file=sys.stderr)
     if args.load is not None:
         trace = apply_load(trace, args.serving, args.load)
