@@ -18,6 +18,7 @@ AGENTS: dict[str, str] = {
     "fixed": "agents.fixed:FixedAgent",
     "baseline": "agents.fixed:BaselineAgent",
     "sae_online": "agents.fixed:SAEOnlineAgent",
+    "ppo": "agents.ppo:PPOAgent",
 }
 
 __all__ = ["AGENTS", "Agent", "BaseAgent", "BaselineAgent", "FixedAgent", "SAEOnlineAgent", "agent_names",

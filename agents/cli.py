@@ -21,11 +21,16 @@ class AgentsExtension:
         self._predictor = None
 
     def add_commands(self, sub: Any) -> None:
+        from agents.tune import add_cli as add_tune
+
+        add_tune(sub)
         try:
+            from agents.ppo import add_cli as add_ppo
             from agents.session_predictor import add_cli
-        except ImportError:  # the predictor needs torch
+        except ImportError:  # the predictor and PPO need torch
             return
         add_cli(sub)
+        add_ppo(sub)
 
     def add_replay_options(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--fixed", action="store_true", help="keep adaptive policies' parameters fixed (no "

@@ -271,9 +271,16 @@ class SAECachePolicy(EvictionPolicy):
         if heap:
             if want == 1:
                 out.append(heap[0][2])
-            else:  # a structural group: every returned block competes too, the oldest ``want`` of them
-                out.extend(e[2] for e in heapq.nsmallest(want, heap) if e[2].stamp == e[0] and not e[2].pins
-                           and not e[2].n_children)
+            else:  # a structural group: the oldest ``want`` returned blocks compete too (pop, then push back:
+                # O(want log n), where nsmallest would read the whole heap)
+                taken = []
+                while heap and len(taken) < want:
+                    e = heapq.heappop(heap)
+                    if e[2].stamp == e[0] and not e[2].pins and not e[2].n_children:
+                        taken.append(e)
+                for e in taken:
+                    heapq.heappush(heap, e)
+                out.extend(e[2] for e in taken)
         return out
 
     def _best(self, g: int, now: float) -> tuple[tuple, Block] | None:
