@@ -12,12 +12,13 @@ from typing import Any
 
 from agents.base import Agent, BaseAgent
 from agents.evaluate import evaluate, make_env
-from agents.fixed import BaselineAgent, FixedAgent, SAEOnlineAgent, load_params, save_params
+from agents.fixed import BaselineAgent, FixedAgent, load_params, save_params
+from agents.sae_online import SAEOnlineAgent
 
 AGENTS: dict[str, str] = {
     "fixed": "agents.fixed:FixedAgent",
     "baseline": "agents.fixed:BaselineAgent",
-    "sae_online": "agents.fixed:SAEOnlineAgent",
+    "sae_online": "agents.sae_online:SAEOnlineAgent",
     "ppo": "agents.ppo:PPOAgent",
 }
 

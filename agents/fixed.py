@@ -1,15 +1,12 @@
-"""Rule-driven agents (nothing to train): constant parameters, the no-op baseline, SAECache's online rule.
+"""Rule-driven agents (nothing to train): constant parameters and the no-op baseline.
 
 * :class:`FixedAgent` -- the same parameters every window: the policy's defaults, a dict, or a JSON / YAML file
   (a mapping of parameter values, or a mapping with such a mapping under ``"params"``, e.g. parameters tuned on a
   training workload and saved with :func:`save_params`). Names left out keep the policy's defaults.
 * :class:`BaselineAgent` -- the action that changes nothing (:meth:`PrefixCacheEnv.noop_action`): for the
   parameterless policies (lru, lfu, fifo, s3fifo, belady) the trivial action, for tunable ones their defaults.
-* :class:`SAEOnlineAgent` -- :class:`agents.sae_online.SAEOnlineLearner` run through the env: after every step it
-  reads the window's :class:`~sae_env.metrics.WindowStats` (``env.unwrapped.last_stats``) and the policy, proposes
-  the next parameters and returns them as its next action. The env applies that action at the start of the next
-  step, i.e. exactly where the replay-callback form (``Replay(..., callbacks=[learner.callback()])``) applies them,
-  and the env's exact action round trip makes both forms replay identically (a test checks hits and parameters).
+
+SAECache's online rule as an agent, :class:`agents.sae_online.SAEOnlineAgent`, lives with its learners.
 
 Every agent converts parameter values to actions with ``env.unwrapped.params_to_action``.
 """
@@ -26,9 +23,8 @@ from typing import Any
 import numpy as np
 
 from agents.base import BaseAgent
-from agents.sae_online import OnlineConfig, SAEOnlineLearner
 
-__all__ = ["BaselineAgent", "FixedAgent", "SAEOnlineAgent", "load_params", "save_params"]
+__all__ = ["BaselineAgent", "FixedAgent", "load_params", "save_params"]
 
 
 def load_params(path: str | os.PathLike) -> dict[str, float]:
@@ -115,48 +111,3 @@ class BaselineAgent(BaseAgent):
 
     def act(self, observation: dict[str, np.ndarray], info: dict[str, Any]) -> np.ndarray:
         return self._env().noop_action()
-
-
-class SAEOnlineAgent(BaseAgent):
-    """SAECache's online learners as an agent (see the module docstring); needs the ``saecache`` policy."""
-
-    name = "sae_online"
-
-    def __init__(self, config: OnlineConfig | None = None, **overrides: Any):
-        super().__init__()
-        self.learner = SAEOnlineLearner(config, **overrides)
-        self._next: dict[str, float] | None = None
-
-    def reset(self, env: Any = None, *, seed: int | None = None) -> None:
-        from sae_env.policies.saecache import SAECachePolicy
-
-        super().reset(env, seed=seed)
-        policy = self._env().policy
-        if not isinstance(policy, SAECachePolicy):
-            name = getattr(policy, "name", None)
-            raise ValueError(f"SAEOnlineAgent needs the 'saecache' policy, got {name!r} (call env.reset() first)")
-        self.learner.reset()
-        self._next = None
-
-    @property
-    def params(self) -> dict[str, float]:
-        """The parameters the agent will set next (after the last window: the learner's final parameters)."""
-        return dict(self._next) if self._next is not None else self._env().params
-
-    def act(self, observation: dict[str, np.ndarray], info: dict[str, Any]) -> np.ndarray:
-        env = self._env()
-        return env.noop_action() if self._next is None else env.params_to_action(self._next)
-
-    def observe(self, observation: dict[str, np.ndarray], reward: float, terminated: bool, truncated: bool,
-                info: dict[str, Any]) -> None:
-        env = self._env()
-        policy = env.policy
-        # What SAEOnlineLearner.update does after a window, without touching the policy: the env applies the
-        # proposal when it receives the next action.
-        params = policy.params
-        params.update(self.learner.propose(env.last_stats, policy, env.trace))
-        self._next = params
-        self.learner.history.append(dict(params))
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "config": self.learner.describe()}

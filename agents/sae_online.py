@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from agents.base import BaseAgent
 from sae_env.metrics import WindowStats
 from sae_env.policies.saecache import AG, CH, PARAM_SPECS, ST, SAECachePolicy
 from sae_env.trace import TokenType, Trace
@@ -206,3 +207,54 @@ class SAEOnlineLearner:
 
     def describe(self) -> dict[str, Any]:
         return asdict(self.config)
+
+
+class SAEOnlineAgent(BaseAgent):
+    """The learners run through the env (needs the ``saecache`` policy).
+
+    After every step it reads the window's :class:`~sae_env.metrics.WindowStats` (``env.unwrapped.last_stats``) and
+    the policy, proposes the next parameters and returns them as its next action. The env applies that action at the
+    start of the next step, exactly where the replay-callback form (``Replay(..., callbacks=[learner.callback()])``)
+    applies them, and the env's exact action round trip makes both forms replay identically (a test checks it).
+    """
+
+    name = "sae_online"
+
+    def __init__(self, config: OnlineConfig | None = None, **overrides: Any):
+        super().__init__()
+        self.learner = SAEOnlineLearner(config, **overrides)
+        self._next: dict[str, float] | None = None
+
+    def reset(self, env: Any = None, *, seed: int | None = None) -> None:
+        from sae_env.policies.saecache import SAECachePolicy
+
+        super().reset(env, seed=seed)
+        policy = self._env().policy
+        if not isinstance(policy, SAECachePolicy):
+            name = getattr(policy, "name", None)
+            raise ValueError(f"SAEOnlineAgent needs the 'saecache' policy, got {name!r} (call env.reset() first)")
+        self.learner.reset()
+        self._next = None
+
+    @property
+    def params(self) -> dict[str, float]:
+        """The parameters the agent will set next (after the last window: the learner's final parameters)."""
+        return dict(self._next) if self._next is not None else self._env().params
+
+    def act(self, observation: dict[str, np.ndarray], info: dict[str, Any]) -> np.ndarray:
+        env = self._env()
+        return env.noop_action() if self._next is None else env.params_to_action(self._next)
+
+    def observe(self, observation: dict[str, np.ndarray], reward: float, terminated: bool, truncated: bool,
+                info: dict[str, Any]) -> None:
+        env = self._env()
+        policy = env.policy
+        # What SAEOnlineLearner.update does after a window, without touching the policy: the env applies the
+        # proposal when it receives the next action.
+        params = policy.params
+        params.update(self.learner.propose(env.last_stats, policy, env.trace))
+        self._next = params
+        self.learner.history.append(dict(params))
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "config": self.learner.describe()}
