@@ -198,8 +198,11 @@ class SAECachePolicy(EvictionPolicy):
         self._cand_now = None
         groups, parked = self._groups, self._parked
         tw = self.switches["type_weights"]
+        last_g, lst = -1, None
         for b in blocks:
-            lst = groups[b.queue * 8 + (b.type if tw else 0)]
+            g = b.queue * 8 + (b.type if tw else 0)
+            if g != last_g:  # a request's blocks come in long runs of one group: one lookup per run
+                last_g, lst = g, groups[g]
             if b.key in lst:
                 del lst[b.key]
             elif parked.pop(b.key, None) is None:
@@ -210,13 +213,16 @@ class SAECachePolicy(EvictionPolicy):
         groups = self._groups
         tw = self.switches["type_weights"]
         seq = self._released
+        last_g, lst = -1, None
         for b in blocks:
             seq += 1
             b.stamp = seq
             g = b.queue * 8 + (b.type if tw else 0)
-            lst = groups.get(g)
-            if lst is None:
-                lst = groups[g] = OrderedDict()
+            if g != last_g:
+                last_g = g
+                lst = groups.get(g)
+                if lst is None:
+                    lst = groups[g] = OrderedDict()
             lst[b.key] = b
         self._released = seq
 
@@ -254,6 +260,14 @@ class SAECachePolicy(EvictionPolicy):
         """Up to ``want`` evictable leaves of group ``g`` in release order (parking the inner nodes met)."""
         out: list[Block] = []
         parked = self._parked
+        if want == 1:  # the common case: the first leaf from the head
+            while lst:
+                k, b = next(iter(lst.items()))
+                if not b.n_children:
+                    out.append(b)
+                    break
+                del lst[k]
+                parked[k] = b
         while lst and len(out) < want:
             for k, b in lst.items():
                 if b.n_children:
@@ -312,7 +326,10 @@ class SAECachePolicy(EvictionPolicy):
         self._dirty.clear()
         if not cand:
             return None
-        g = min(cand, key=lambda k: cand[k][0])
+        g, best = -1, None
+        for k, c in cand.items():
+            if best is None or c[0] < best:
+                g, best = k, c[0]
         victim = cand.pop(g)[1]
         self._remove(victim)
         self._dirty.add(g)
