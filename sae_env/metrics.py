@@ -6,7 +6,6 @@ live in :class:`sae_env.replay.Replay` as ``wall_s`` and are reported separately
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -138,6 +137,3 @@ def summarize(windows: list[WindowStats], *, policy: str = "", block_size: int |
         "duration_s": (windows[-1].t_end - windows[0].t_start) if windows else 0.0,
     }
 
-
-def finite_or_none(x: float | None) -> float | None:
-    return None if x is None or not math.isfinite(x) else float(x)

@@ -605,6 +605,17 @@ class Completion(NamedTuple):
     queue_delay: float
 
 
+def _check_submit(server: Any, req_id: Any, t_arrival: float, new_tokens: int, cached_tokens: int) -> None:
+    """The submit contract both servers share: arrivals in order, not before the clock; token counts >= 0."""
+    if not t_arrival >= server._last_arrival or t_arrival < server._min_arrival:
+        raise ValueError(f"request {req_id!r}: arrival {t_arrival} is before an earlier arrival "
+                         f"({server._last_arrival}) or the server clock ({server._min_arrival}); submit in "
+                         f"arrival order and before advancing past it")
+    if new_tokens < 0 or cached_tokens < 0:
+        raise ValueError(f"request {req_id!r}: token counts must be non-negative, got new_tokens={new_tokens}, "
+                         f"cached_tokens={cached_tokens}")
+
+
 class PrefillServer:
     """FIFO chunked-prefill server under a token budget (see the module docstring for the exact rules)."""
 
@@ -647,13 +658,7 @@ class PrefillServer:
 
     def submit(self, req_id: Any, t_arrival: float, new_tokens: int, cached_tokens: int = 0) -> None:
         """Queue a request. Arrivals must be non-decreasing and not before the last ``advance_to`` time."""
-        if not t_arrival >= self._last_arrival or t_arrival < self._min_arrival:
-            raise ValueError(f"request {req_id!r}: arrival {t_arrival} is before an earlier arrival "
-                             f"({self._last_arrival}) or the server clock ({self._min_arrival}); submit in "
-                             f"arrival order and before advancing past it")
-        if new_tokens < 0 or cached_tokens < 0:
-            raise ValueError(f"request {req_id!r}: token counts must be non-negative, got new_tokens={new_tokens}, "
-                             f"cached_tokens={cached_tokens}")
+        _check_submit(self, req_id, t_arrival, new_tokens, cached_tokens)
         if new_tokens == 0:  # vLLM recomputes the last prompt token of a full hit to get its logits
             new_tokens, cached_tokens = 1, max(cached_tokens - 1, 0)
         self._last_arrival = t_arrival
@@ -758,11 +763,7 @@ class InstantServer:
         return -math.inf
 
     def submit(self, req_id: Any, t_arrival: float, new_tokens: int, cached_tokens: int = 0) -> None:
-        if not t_arrival >= self._last_arrival or t_arrival < self._min_arrival:
-            raise ValueError(f"request {req_id!r}: arrival {t_arrival} is before an earlier arrival or the server "
-                             f"clock; submit in arrival order")
-        if new_tokens < 0 or cached_tokens < 0:
-            raise ValueError(f"request {req_id!r}: token counts must be non-negative")
+        _check_submit(self, req_id, t_arrival, new_tokens, cached_tokens)
         self._last_arrival = t_arrival
         self._queue.append(Completion(req_id, t_arrival, math.nan))
 

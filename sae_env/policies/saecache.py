@@ -45,8 +45,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from sae_env.cache import Block
 from sae_env.policies.base import EvictionPolicy, ParamSpec
 from sae_env.trace import N_TOKEN_TYPES, AppType, TokenType, Trace
@@ -401,6 +399,3 @@ def gap_fit(stats: list[float]) -> tuple[float, float] | None:
     var = max(s2 / n - mu * mu, 0.0)
     return mu, math.sqrt(var)
 
-
-def params_vector(policy: SAECachePolicy) -> np.ndarray:
-    return np.array([policy.params[p.name] for p in PARAM_SPECS], dtype=np.float64)
