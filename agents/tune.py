@@ -18,7 +18,7 @@ env's reward); keys of latencies (``ttft_*``, ``queue_*``) are minimised, everyt
 lower trial index, so the result is a pure function of the arguments.
 
 Execution: with ``ray=True`` every trial is a Ray task (one CPU each) on a private local cluster started as
-:mod:`agents.ray_local` describes (or on the cluster at ``ray_address``); with ``ray=False`` trials run one after
+:mod:`sae_env.ray_local` describes (or on the cluster at ``ray_address``); with ``ray=False`` trials run one after
 another in this process. A trial is deterministic (seeded env, constant agent), and results are gathered in trial
 order, so both give identical results (a test checks it).
 """
@@ -90,7 +90,7 @@ def _runner(ray: bool, num_cpus: int | None, ray_address: str | None):
 
     @contextmanager
     def distributed():
-        from agents.ray_local import ray_cluster
+        from sae_env.ray_local import ray_cluster
 
         with ray_cluster(num_cpus=num_cpus, address=ray_address) as r:
             remote = r.remote(num_cpus=1, max_retries=2)(_remote_trial)

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from agents import FixedAgent, SAEOnlineAgent, evaluate
-from agents.ray_local import ray_cluster
 from agents.tune import tune_fixed
+from sae_env.ray_local import ray_cluster
 from sae_env.sources.synthetic import PRESETS, generate, make_config
 
 SHIFT = {"source": "synthetic", "preset": "shift", "seed": 0}

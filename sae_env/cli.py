@@ -60,10 +60,6 @@ def parse_options(pairs: list[str] | None) -> dict[str, Any]:
     return out
 
 
-# Sources that cut token sequences into blocks themselves, so they can honour any block size.
-RECUT_SOURCES = {"conversations", "taubench", "synthetic", "mix", "azure"}
-
-
 def load_input(trace: str, source: str | None, options: dict[str, Any],
                block_size: int | None = None) -> tuple[Trace, Any]:
     """Load a trace from a path or an embedded name (``taubench``, ``wildchat``, ``mooncake_arxiv``, ...).
@@ -71,52 +67,15 @@ def load_input(trace: str, source: str | None, options: dict[str, Any],
     ``block_size`` re-cuts text and synthetic sources; for hash-only ones (fixed by their data) and for native
     traces it must match, or a UsageError says so.
     """
-    if block_size is not None:
-        if block_size < 1:
-            raise UsageError(f"--block-size must be >= 1, got {block_size}")
-        trace_obj, report = _load_input(trace, source, options, block_size)
-        if trace_obj.block_size != block_size:
-            raise UsageError(f"--block-size {block_size} does not match the trace's block size "
-                             f"{trace_obj.block_size} (hash-only and native traces keep the block size of their data)")
-        return trace_obj, report
-    return _load_input(trace, source, options, None)
+    from sae_env.sources import open_trace
 
-
-def _load_input(trace: str, source: str | None, options: dict[str, Any],
-                block_size: int | None) -> tuple[Trace, Any]:
-    from sae_env import data
-    from sae_env.sources import load_source, source_names
-
-    def load(src: str, path: Any) -> tuple[Trace, Any]:
-        if block_size is not None and src in RECUT_SOURCES:
-            options.setdefault("block_size", block_size)
-        return load_source(src, path, **options)
-
-    if trace in ("synthetic", "mix") and not Path(trace).exists():
-        return load(trace, None)  # generated from options / presets, no file
-    if trace in data.ALL and not Path(trace).exists():
-        path, default_source = data.ALL[trace]
-        if trace == "taubench":
-            options.setdefault("tools", str(data.TAUBENCH_TOOLS))
-        source = source or default_source
-        trace = str(path)
-    if source is None:
-        suffix = "".join(Path(trace).suffixes[-2:])
-        if suffix.endswith((".npz", ".jsonl")) and _is_native(trace):
-            source = "trace"
-        else:
-            raise UsageError(f"say which format {trace} is in with --source (one of: {', '.join(source_names())})")
-    return load(source, trace if trace != "-" else None)
-
-
-def _is_native(path: str) -> bool:
-    if path.endswith(".npz"):
-        return True
-    try:
-        with open(path, encoding="utf-8") as f:
-            return '"format": "sae-trace"' in f.readline()
-    except OSError:
-        return False
+    if block_size is not None and block_size < 1:
+        raise UsageError(f"--block-size must be >= 1, got {block_size}")
+    trace_obj, report = open_trace(trace, source, options, block_size)
+    if block_size is not None and trace_obj.block_size != block_size:
+        raise UsageError(f"--block-size {block_size} does not match the trace's block size "
+                         f"{trace_obj.block_size} (hash-only and native traces keep the block size of their data)")
+    return trace_obj, report
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -103,24 +103,10 @@ def action_to_values(specs: tuple[ParamSpec, ...], action: np.ndarray) -> dict[s
 
 
 def _load_trace_spec(spec: Mapping[str, Any] | str) -> Trace:
-    """A trace from a source spec ``{"source": name, "path": ..., **options}`` or an embedded data name / file."""
-    from sae_env.sources import load_source
+    """A trace from a source spec (see :func:`sae_env.sources.trace_from_spec`)."""
+    from sae_env.sources import trace_from_spec
 
-    if isinstance(spec, str):
-        from sae_env import data
-
-        if spec in data.ALL:
-            path, source = data.ALL[spec]
-            return load_source(source, path)[0]
-        from sae_env.trace import load_trace_file
-
-        return load_trace_file(spec)
-    spec = dict(spec)
-    if "source" not in spec:
-        raise ValueError(f"trace spec {spec!r} needs a 'source' (e.g. 'synthetic', 'mooncake')")
-    source = spec.pop("source")
-    path = spec.pop("path", None)
-    return load_source(source, path, **spec)[0]
+    return trace_from_spec(spec)[0]
 
 
 def _default_trace() -> Trace:

@@ -1,4 +1,4 @@
-"""Tests of agents/tune.py and agents/ray_local.py: candidates (defaults first, in bounds, seeded), random search
+"""Tests of agents/tune.py and sae_env/ray_local.py: candidates (defaults first, in bounds, seeded), random search
 and successive halving against FixedAgent episodes recomputed by hand, serial == Ray results on a real private local
 cluster (started with the no-off-machine-traffic settings, which are restored afterwards), bad input, and the
 ``tune`` command line."""
@@ -12,8 +12,8 @@ import pytest
 
 from agents import FixedAgent, evaluate, load_params, make_env
 from agents.cli import main as cli_main
-from agents.ray_local import LOCAL_ENV, ray_cluster
 from agents.tune import candidate_params, lower_is_better, tune_fixed
+from sae_env.ray_local import LOCAL_ENV, ray_cluster
 
 # ~90 requests, windows of 20: a trial takes ~20 ms.
 TINY = {"trace": {"source": "synthetic", "preset": "tiny"}, "capacity": 0.05, "window": 20}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from sae_env.trace import LoadReport, Trace
@@ -36,3 +38,71 @@ def load_source(source: str, path: str | os.PathLike | None, **options: Any) -> 
         raise ValueError(f"unknown source '{source}'; valid sources: {', '.join(source_names())}")
     module = importlib.import_module(SOURCES[source])
     return module.load(path, **options)
+
+
+# Sources that cut token sequences into blocks themselves, so they can honour any block size.
+RECUT_SOURCES = frozenset({"conversations", "taubench", "synthetic", "mix", "azure"})
+
+
+def open_trace(trace: str, source: str | None = None, options: Mapping[str, Any] | None = None,
+               block_size: int | None = None) -> tuple[Trace, LoadReport]:
+    """A trace by name: ``"synthetic"`` / ``"mix"`` (generated from ``options``), an embedded trace (``taubench``,
+    ``wildchat``, ``mooncake_arxiv``, ... see :data:`sae_env.data.ALL`) or a file in ``source``'s format (inferred for
+    native ``.npz`` / ``.jsonl`` traces). ``block_size`` re-cuts the sources in :data:`RECUT_SOURCES`; the others keep
+    the block size of their data (callers check). ``"-"`` reads standard input.
+    """
+    from sae_env import data
+
+    options = dict(options or {})
+
+    def load(src: str, path: Any) -> tuple[Trace, LoadReport]:
+        if block_size is not None and src in RECUT_SOURCES:
+            options.setdefault("block_size", block_size)
+        return load_source(src, path, **options)
+
+    if trace in ("synthetic", "mix") and not Path(trace).exists():
+        return load(trace, None)
+    if trace in data.ALL and not Path(trace).exists():
+        path, default_source = data.ALL[trace]
+        if trace == "taubench":
+            options.setdefault("tools", str(data.TAUBENCH_TOOLS))  # the tool schemas that open every prompt
+        source = source or default_source
+        trace = str(path)
+    if source is None:
+        if _is_native(trace):
+            source = "trace"
+        else:
+            raise ValueError(f"say which format {trace} is in (source: one of {', '.join(source_names())}); "
+                             f"embedded traces: {', '.join(data.ALL)}")
+    return load(source, trace if trace != "-" else None)
+
+
+def trace_from_spec(spec: str | Mapping[str, Any], block_size: int | None = None) -> tuple[Trace, LoadReport]:
+    """A trace from a config spec: a name for :func:`open_trace`, or a mapping ``{trace: NAME_OR_PATH | path: PATH,
+    source: NAME, **options}`` (``trace`` defaults to the source's name, so ``{source: synthetic, preset: shift}``
+    generates).
+    """
+    if isinstance(spec, str):
+        return open_trace(spec, block_size=block_size)
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"a trace spec is a name, a path or a mapping with 'source' / 'trace'; got {spec!r}")
+    options = dict(spec)
+    name, path, source = options.pop("trace", None), options.pop("path", None), options.pop("source", None)
+    if name is not None and path is not None:
+        raise ValueError(f"trace spec {dict(spec)!r}: give 'trace' or 'path', not both")
+    target = name if name is not None else path if path is not None else source
+    if target is None:
+        raise ValueError(f"trace spec {dict(spec)!r} needs 'trace' (an embedded name or a file), 'path' or 'source'")
+    return open_trace(str(target), source, options, block_size)
+
+
+def _is_native(path: str) -> bool:
+    if path.endswith(".npz"):
+        return True
+    if not path.endswith((".jsonl", ".jsonl.gz")):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            return '"format": "sae-trace"' in f.readline()
+    except (OSError, UnicodeDecodeError):
+        return False
