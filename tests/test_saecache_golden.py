@@ -1,0 +1,119 @@
+"""Golden test of SAECache's decisions: pins hits, evictions and the exact victim sequence on fixed workloads.
+
+The figures below were recorded from the policy as it was before its hot path was optimised (commit 6085d4a).
+A speed-up must not change any decision, so every case compares:
+
+* the hit blocks of every request (a digest of ``hits_per_request``) and their total,
+* the number of evictions and bypasses,
+* the victims, in order (a digest of their keys),
+* the policy's own window statistics (hits per queue; the learners read them) and its final occupancy per queue.
+
+Workloads: the embedded WildChat excerpt (real multi-turn chat), instant and timed; the synthetic
+``heterogeneous`` preset (the benchmark trace: templated + chat with reasoning + agent) at 15 % of its distinct
+blocks, with fixed parameters and with the online learners moving every parameter after each window; the embedded
+tau-bench airline trajectories (real agent sessions with long tool schemas), timed at 5 % (pins, bypasses), with the
+learners; a templated-heavy synthetic workload at a tiny capacity (long structural lists: the sampled candidates and
+the parked / returned inner nodes) with a predictor and two switches off.
+
+If a change is *meant* to alter decisions, re-record with ``python tests/test_saecache_golden.py`` and say why in
+the commit message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from agents.sae_online import SAEOnlineLearner
+from sae_env.cache import PrefixCache
+from sae_env.policies.saecache import SAECachePolicy
+from sae_env.replay import Replay
+from sae_env.serving import make_server
+from sae_env.sources import load_source
+
+
+class RecordingSAECache(SAECachePolicy):
+    """SAECache that records its victims' keys (behaviour otherwise unchanged)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.victims: list[int] = []
+
+    def evict(self, now):
+        v = super().evict(now)
+        if v is not None:
+            self.victims.append(v.key)
+        return v
+
+
+def _predictor(trace, i):
+    return (i * 37 % 10) / 10, (i * 53 % 10) / 10
+
+
+def _digest(values) -> str:
+    return hashlib.sha256(np.asarray(values, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
+def _templated():
+    return load_source("synthetic", None, preset="tiny", templated={"n_templates": 40, "n_system": 4},
+                       phases=[{"duration": 600.0, "rate": 1.0,
+                                "mix": {"templated": 0.7, "chat": 0.3, "agent": 0.0}}])[0]
+
+
+# name -> (trace factory, capacity as a fraction of distinct blocks or blocks, timed, learners, policy options)
+CASES = {
+    "wildchat_instant": (lambda: load_source("conversations", None)[0], 0.15, False, False, {}),
+    "wildchat_timed": (lambda: load_source("conversations", None)[0], 0.10, True, True, {}),
+    "heterogeneous": (lambda: load_source("synthetic", None, preset="heterogeneous")[0], 0.15, False, False, {}),
+    "heterogeneous_learners": (lambda: load_source("synthetic", None, preset="heterogeneous")[0], 0.15, False,
+                               True, {}),
+    "taubench_timed": (lambda: load_source("taubench", None)[0], 0.05, True, True, {}),
+    "templated_small": (_templated, 40, False, False,
+                        {"predictor": _predictor, "lognormal": False, "type_weights": False}),
+}
+
+
+def observe(name: str) -> dict:
+    make_trace, capacity, timed, learners, options = CASES[name]
+    trace = make_trace()
+    cap = capacity if isinstance(capacity, int) else max(1, int(capacity * trace.distinct_blocks()))
+    policy = RecordingSAECache(**options)
+    callbacks = [SAEOnlineLearner().callback()] if learners else []
+    rep = Replay(trace, PrefixCache(cap, policy), make_server("qwen2.5-1.5b@a40") if timed else None,
+                 window_requests=100, callbacks=callbacks)
+    rep.run()
+    hits = [h for w in rep.windows for h in w.hits_per_request]
+    queue_hits = [w.policy["queue_hits"] for w in rep.windows]
+    return {"hit_blocks": sum(hits), "hits": _digest(hits), "evictions": sum(w.evictions for w in rep.windows),
+            "bypasses": sum(w.bypasses for w in rep.windows), "victims": _digest(policy.victims),
+            "queue_hits": _digest(np.ravel(queue_hits)), "occupancy": policy.window_stats()["queue_occupancy"]}
+
+
+GOLDEN = {
+    'heterogeneous': {'hit_blocks': 746857, 'hits': '6b1b2ce619b57801', 'evictions': 72300, 'bypasses': 0,
+        'victims': '0400cf054c84e4e7', 'queue_hits': 'f3230c18c9eb4944', 'occupancy': [0, 4288, 7822, 0]},
+    'heterogeneous_learners': {'hit_blocks': 746011, 'hits': 'f7783bb0df2e6121', 'evictions': 73146, 'bypasses': 0,
+        'victims': '5225cdc8971ea94f', 'queue_hits': 'b55582fb15322779', 'occupancy': [0, 4877, 7233, 0]},
+    'taubench_timed': {'hit_blocks': 843698, 'hits': '5031b7f3860c0246', 'evictions': 116436, 'bypasses': 3535,
+        'victims': 'e23e067c4f70b4f1', 'queue_hits': 'c17e6993bff26369', 'occupancy': [0, 282, 0, 1403]},
+    'templated_small': {'hit_blocks': 2063, 'hits': 'f93bd5e7a8945ffe', 'evictions': 14297, 'bypasses': 249,
+        'victims': 'ff602d8b578b7985', 'queue_hits': 'a7760ebe1d36b183', 'occupancy': [0, 11, 29, 0]},
+    'wildchat_instant': {'hit_blocks': 38821, 'hits': '63272500f986a91e', 'evictions': 47718, 'bypasses': 0,
+        'victims': '2ae896512ec7604a', 'queue_hits': '3004a8804caccc57', 'occupancy': [0, 0, 3901, 0]},
+    'wildchat_timed': {'hit_blocks': 29735, 'hits': 'd92799ecdb677d82', 'evictions': 58105, 'bypasses': 0,
+        'victims': 'e2340d131cfd14ed', 'queue_hits': 'b37095044846f9c0', 'occupancy': [0, 0, 2600, 0]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_saecache_decisions_are_unchanged(name):
+    assert observe(name) == GOLDEN[name]
+
+
+if __name__ == "__main__":  # re-record (only when a change is meant to alter decisions)
+    for case in sorted(CASES):
+        o = observe(case)
+        print(f"    {case!r}: {{" + ", ".join(f"{k!r}: {o[k]!r}" for k in list(o)[:4]) + ",")
+        print("        " + ", ".join(f"{k!r}: {o[k]!r}" for k in list(o)[4:]) + "},")
