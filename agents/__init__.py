@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 from agents.base import Agent, BaseAgent
-from agents.evaluate import evaluate, make_env
+from agents.evaluate import CellRunner, evaluate, make_env
 from agents.fixed import BaselineAgent, FixedAgent, load_params, save_params
 from agents.sae_online import SAEOnlineAgent
 
@@ -22,7 +22,7 @@ AGENTS: dict[str, str] = {
     "ppo": "agents.ppo:PPOAgent",
 }
 
-__all__ = ["AGENTS", "Agent", "BaseAgent", "BaselineAgent", "FixedAgent", "SAEOnlineAgent", "agent_names",
+__all__ = ["AGENTS", "Agent", "CellRunner", "BaseAgent", "BaselineAgent", "FixedAgent", "SAEOnlineAgent", "agent_names",
            "evaluate", "load_params", "make_agent", "make_env", "save_params"]
 
 
@@ -31,11 +31,15 @@ def agent_names() -> list[str]:
 
 
 def make_agent(name: str, **options: Any) -> Agent:
-    """Build the named agent; unknown names or options raise ValueError."""
-    if name not in AGENTS:
-        raise ValueError(f"unknown agent '{name}'; valid agents: {', '.join(agent_names())}")
-    module, cls = AGENTS[name].split(":")
+    """Build the named agent, or the class at ``"module:Class"``; unknown names or options raise ValueError."""
+    if name not in AGENTS and ":" not in name:
+        raise ValueError(f"unknown agent '{name}'; valid agents: {', '.join(agent_names())} (or 'module:Class')")
+    module, cls = AGENTS.get(name, name).split(":", 1)
     try:
-        return getattr(importlib.import_module(module), cls)(**options)
+        factory = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"agent '{name}': cannot import {module}:{cls} ({e})") from None
+    try:
+        return factory(**options)
     except TypeError as e:
         raise ValueError(f"agent '{name}': bad options {sorted(options)} ({e})") from None

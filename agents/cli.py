@@ -57,5 +57,11 @@ class AgentsExtension:
         return [SAEOnlineLearner().callback()]
 
 
+    def cell_runner(self) -> Any:
+        from agents.evaluate import CellRunner
+
+        return CellRunner()
+
+
 def main(argv: list[str] | None = None) -> int:
     return core_cli.main(argv, extensions=[AgentsExtension()])

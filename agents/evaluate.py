@@ -8,8 +8,13 @@ the loop of :mod:`agents.base` once from ``env.reset(seed=seed)`` and returns
 * ``summary``: :func:`sae_env.metrics.summarize` over the windows plus ``agent``, ``episode_reward``, ``steps``,
   ``terminated``, ``truncated``, ``clipped``, ``final_params`` (in effect during the last window),
   ``distinct_blocks``, ``trace_requests``, ``segment_start``, ``oracle``, ``serving``, ``reward_kind``;
+* ``ttft_quantiles_ms``: the 0th, 1st, ..., 100th percentiles of every request's TTFT (timed serving only; a
+  CDF in 101 numbers);
 * ``timing``: wall-clock seconds (``replay_s``, ``total_s``): the only non-deterministic values, kept apart so
   that result files compare equal across runs.
+
+:class:`CellRunner` is what the experiment runner (:mod:`sae_env.experiment`) calls for each cell: it builds the
+agent and the env from the cell and returns a compact, JSON-able result.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from agents.base import Agent
 from sae_env.env import PrefixCacheEnv
 from sae_env.metrics import summarize
 
-__all__ = ["evaluate", "make_env"]
+__all__ = ["CellRunner", "evaluate", "make_env"]
 
 _ENV_KEYS = frozenset(inspect.signature(PrefixCacheEnv.__init__).parameters) - {"self"}
 
@@ -58,6 +63,8 @@ def evaluate(agent: Agent, env_config: Mapping[str, Any] | None = None, seed: in
                    clipped=info["clipped"])
         history.append(row)
     replay = env.replay
+    ttft = [x for w in replay.windows for x in w.ttft_ms]
+    quantiles = np.percentile(np.asarray(ttft, dtype=np.float64), np.arange(101)).tolist() if ttft else None
     summary = summarize(replay.windows, policy=env.policy_name, block_size=env.trace.block_size, timed=env.timed)
     summary.update(agent=getattr(agent, "name", type(agent).__name__), episode_reward=total, steps=len(history),
                    terminated=bool(terminated), truncated=bool(truncated), clipped=info["clipped"],
@@ -66,5 +73,69 @@ def evaluate(agent: Agent, env_config: Mapping[str, Any] | None = None, seed: in
                    serving=env.serving if isinstance(env.serving, str) else dict(env.serving),
                    reward_kind=env.reward_kind)
     env.close()
-    return {"history": history, "summary": summary,
+    return {"history": history, "summary": summary, "ttft_quantiles_ms": quantiles,
             "timing": {"replay_s": replay.wall_s, "total_s": time.perf_counter() - t0}}
+
+
+# Per-window keys kept in an experiment's result files (the rest of WindowStats.to_dict stays in memory).
+_HISTORY_KEYS = ("index", "start", "t_start", "t_end", "requests", "prompt_tokens", "hit_tokens", "prompt_blocks",
+                 "hit_blocks", "token_hit_rate", "block_hit_rate", "evictions", "bypasses", "ttft_mean_ms",
+                 "ttft_p99_ms", "occupancy", "occupancy_by_queue", "hit_rate_by_type", "app_share", "reward",
+                 "params")
+
+
+class CellRunner:
+    """Runs an experiment cell (:class:`sae_env.experiment.CellRunner`): one episode of :func:`evaluate`.
+
+    A cell's agent spec names an agent kind of :data:`agents.AGENTS` (or ``"module:Class"``) with its options, and
+    a policy with its options; a ``predictor`` policy option given as a path loads a session-predictor checkpoint.
+    The trace is handed in (the runner shares it between cells); the env replays all of it (no segments).
+    Each history row gets ``phase``: the index in ``phases`` of its first request's phase (-1: none), from the
+    trace's phase schedule (synthetic and mix traces).
+    """
+
+    # Agent shorthands besides the bare policy names (a bare policy name is its policy under ``baseline``).
+    presets: dict[str, dict[str, Any]] = {
+        "saecache": {"policy": "saecache", "agent": "sae_online"},  # the full adaptive method
+        "saecache-fixed": {"policy": "saecache", "agent": "fixed"},  # SAECache's default parameters, no learning
+    }
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        from agents import AGENTS
+
+        return tuple(AGENTS)
+
+    def __call__(self, cell: Mapping[str, Any], trace: Any) -> dict[str, Any]:
+        from agents import make_agent
+
+        spec = cell["agent"]
+        policy_options = dict(spec.get("policy_options") or {})
+        if isinstance(policy_options.get("predictor"), str):
+            from agents.session_predictor import SessionPredictor
+
+            policy_options["predictor"] = SessionPredictor.load(policy_options["predictor"]).as_policy_callable()
+        agent = make_agent(spec["agent"], **dict(spec.get("options") or {}))
+        agent.name = spec["name"]
+        env_config = {"trace": trace, "capacity": cell["capacity"], "policy": spec["policy"],
+                      "policy_options": policy_options, "serving": cell["serving"], "window": cell["window"],
+                      "reward": cell["reward"], "load": cell.get("load")}
+        out = evaluate(agent, env_config, seed=int(cell["seed"]))
+        phases, phase_of_request = _phases(trace)
+        history = []
+        for row in out["history"]:
+            kept = {k: row[k] for k in _HISTORY_KEYS if k in row}
+            kept["phase"] = int(phase_of_request[row["start"]]) if phase_of_request is not None else -1
+            history.append(kept)
+        return {"summary": out["summary"], "history": history, "phases": phases,
+                "ttft_quantiles_ms": out["ttft_quantiles_ms"], "timing": out["timing"]}
+
+
+def _phases(trace: Any) -> tuple[list[dict[str, Any]], np.ndarray | None]:
+    schedule = trace.meta.get("phases") if isinstance(getattr(trace, "meta", None), dict) else None
+    if not schedule:
+        return [], None
+    from sae_env.sources.synthetic import phase_of
+
+    names = [str(p.get("name", f"phase {i}")) for i, p in enumerate(schedule)]
+    return [{"name": n} for n in names], phase_of(trace, by="time")

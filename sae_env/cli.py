@@ -1,6 +1,7 @@
 """The command line (``python train.py ...`` or ``saecache-gym ...``): parse, then call the library.
 
 Subcommands:
+  run            run an experiment config (``python train.py`` alone runs configs/quickstart.yaml)
   characterize   the workload study of a trace (reuse by type / app / offset, gap fits)
   replay         replay a trace through one or more policies and print them side by side
 
@@ -24,6 +25,8 @@ import yaml
 from sae_env.trace import Trace, TraceFormatError
 
 DEFAULT_TRACE = "taubench"  # an embedded real trace (see sae_env/data/README.md)
+# The default experiment: embedded real traces, the main agents, about a minute on 2 cores.
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 
 
 class UsageError(ValueError):
@@ -45,6 +48,9 @@ class CliExtension(Protocol):
     def policy_options(self, args: argparse.Namespace, policy: str) -> dict[str, Any]: ...
 
     def replay_callbacks(self, args: argparse.Namespace, policy: Any) -> list: ...
+
+    def cell_runner(self) -> Any:
+        """What runs an experiment's cells (:class:`sae_env.experiment.CellRunner`), or None."""
 
 
 # -- helpers -------------------------------------------------------------------------------------------------------
@@ -198,18 +204,63 @@ def apply_load(trace: Trace, serving: str, target: float) -> Trace:
     return trace.with_times(scale_to_utilisation(trace.t, service, target))
 
 
-def cmd_default(args: argparse.Namespace) -> int:
-    """``python train.py`` with no subcommand: characterise and replay the embedded default trace."""
-    t0 = time.perf_counter()
-    parser = build_parser(args.extensions)
-    cmd_characterize(parser.parse_args(["characterize", DEFAULT_TRACE]))
-    policies = ",".join(p for p in ("lru", "lfu", "s3fifo", "lpc", "saecache", "belady") if p in _policy_names())
-    ns = parser.parse_args(["replay", "--trace", DEFAULT_TRACE, "--policy", policies, "--capacity", "0.1",
-                            "--serving", "qwen2.5-1.5b@a40", "--load", "0.8", "--progress"])
-    ns.extensions = args.extensions
-    cmd_replay(ns)
-    print(f"done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run an experiment config (default: the quickstart); print its tables; exit 1 if a cell failed."""
+    from sae_env.experiment import load_config, run_experiment
+
+    path = Path(args.config) if args.config else DEFAULT_CONFIG
+    if not path.exists():
+        raise UsageError(f"config file {path} does not exist (shipped configs: configs/*.yaml)")
+    data = yaml.safe_load(path.read_text()) if path.suffix in (".yaml", ".yml") else None
+    if isinstance(data, dict) and "ppo" in data and "workloads" not in data:  # a PPO training config
+        print(f"{path} is a PPO training config: running `train.py ppo --config {path}`", file=sys.stderr)
+        parser = build_parser(args.extensions)
+        ns = parser.parse_args(["ppo", "--config", str(path)])
+        ns.extensions = args.extensions
+        return ns.func(ns)
+    runners = [r for r in (getattr(ext, "cell_runner", lambda: None)() for ext in args.extensions) if r is not None]
+    if not runners:
+        raise UsageError("running experiments needs a cell runner: start it through train.py (the agents package)")
+    overrides = parse_options(args.set)
+    if args.output:
+        overrides["output"] = args.output
+    config = load_config(path, runners[0], overrides)
+    wandb_mode = "disabled" if args.no_wandb else args.wandb
+    run = run_experiment(config, runners[0], serial=True if args.serial else None, ray_address=args.ray_address,
+                         num_cpus=args.num_cpus, run_id=args.run_id or (_fresh_id(config) if args.fresh else None),
+                         wandb_mode=wandb_mode, progress=not args.no_progress)
+    report = run.run_dir / "report.md"
+    print(report.read_text())
+    print(f"{len(run.results)}/{len(run.cells)} cells in {run.wall_s:.1f} s ({run.resumed} resumed); results in "
+          f"{run.run_dir} (summary.csv, report.md, plots/, cells/)", file=sys.stderr)
+    if run.failures:
+        print(f"{len(run.failures)} cell(s) failed: see {run.run_dir / 'failures.json'}; rerun the same command to "
+              "retry them (finished cells are kept)", file=sys.stderr)
+        return 1
     return 0
+
+
+def _fresh_id(config: Any) -> str:
+    return f"{config.results_key()}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="experiment YAML (default: configs/quickstart.yaml); a PPO "
+                   "config (with 'ppo:') runs `train.py ppo`")
+    p.add_argument("--serial", action="store_true", help="run the cells one after another in this process (no Ray)")
+    p.add_argument("--ray-address", metavar="ADDR", help="run on an existing Ray cluster (its network setup is its "
+                   "owner's); default: a private local cluster that sends nothing off the machine")
+    p.add_argument("--num-cpus", type=int, metavar="N", help="CPUs of the local Ray cluster (default: all)")
+    p.add_argument("--run-id", help="name of the run folder under <output>/<experiment>/ (default: a hash of the "
+                   "config, so rerunning the same config resumes it)")
+    p.add_argument("--fresh", action="store_true", help="start a new run folder instead of resuming")
+    p.add_argument("--output", metavar="DIR", help="output folder (default: the config's 'output', runs)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a top-level config key (YAML "
+                   "value), e.g. --set seeds=[0,1,2] --set window=50")
+    p.add_argument("--wandb", choices=("offline", "online", "disabled"), help="W&B mode (default: the config's, "
+                   "offline)")
+    p.add_argument("--no-wandb", action="store_true", help="no W&B runs (same as --wandb disabled)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _policy_names() -> list[str]:
@@ -222,9 +273,16 @@ def _policy_names() -> list[str]:
 
 def build_parser(extensions: Sequence[CliExtension] = ()) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="train.py", description="SAECache-Gym: prefix-cache eviction agents in a "
-                                "Gymnasium environment. With no subcommand: characterise and replay the embedded "
-                                "default trace.")
+                                "Gymnasium environment. With no subcommand: run an experiment (the options below; "
+                                "default configs/quickstart.yaml).")
+    add_run_options(p)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    run = sub.add_parser("run", help="run an experiment config (workloads x capacities x agents x seeds)",
+                         description="Expand a YAML config into cells, run them on a local Ray cluster (or "
+                         "serially), write runs/<experiment>/<run-id>/ (cells/, summary.csv, report.md, plots/) "
+                         "and W&B runs (offline by default). Rerunning the same command resumes.")
+    add_run_options(run)
+    run.set_defaults(func=cmd_run)
 
     def trace_args(sp: argparse.ArgumentParser, positional: bool) -> None:
         from sae_env import data
@@ -277,7 +335,7 @@ def main(argv: list[str] | None = None, extensions: Sequence[CliExtension] = ())
     parser = build_parser(extensions)
     args = parser.parse_args(argv)
     args.extensions = tuple(extensions)
-    func = getattr(args, "func", cmd_default)
+    func = getattr(args, "func", cmd_run)
     try:
         return func(args)
     except (UsageError, TraceFormatError, ValueError, FileNotFoundError) as e:

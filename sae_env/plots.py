@@ -12,6 +12,18 @@ Characterisation figures take the dict returned by :func:`sae_env.characterize.c
 - ``gap_histograms.png``: one panel per app, a histogram of the positive inter-turn gaps on log-spaced bins, drawn
   as density per unit of ln(gap) (so that a log-normal looks like a bell on the log-x axis), with both fitted
   densities overlaid on the same scale (``x * pdf(x)``).
+
+Experiment figures (:mod:`sae_env.report` calls them) take summary rows (:func:`sae_env.report.summary_rows`) or cell
+results; where one cell per workload stands for the rest it is the middle capacity, the highest load and the first
+seed of the config (``_representative``):
+
+- ``hit_rate_vs_capacity.png``: token hit rate against cache size (blocks), one line per agent, a panel per workload
+  (means over seeds and loads);
+- ``ttft_vs_load.png``: TTFT mean and p99 against load, one line per agent (only with several loads);
+- ``ttft_cdf.png``: the CDF of every request's TTFT, one curve per agent, a panel per workload (timed serving);
+- ``hit_rate_over_time.png``: windowed token hit rate over simulated time, one line per agent, phases shaded;
+- ``params_<workload>_<agent>.png``: an adaptive agent's parameters over time (alpha per queue, type weights,
+  mu / sigma, gamma for SAECache; any other parameters in a last panel), phases shaded.
 """
 
 from __future__ import annotations
@@ -26,7 +38,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from scipy import stats
 
-__all__ = ["plot_gap_histograms", "plot_hit_by_offset", "plot_reuse_by_app", "plot_reuse_by_token_type"]
+__all__ = ["plot_gap_histograms", "plot_hit_by_offset", "plot_hit_rate_over_time", "plot_hit_rate_vs_capacity",
+           "plot_param_trajectories", "plot_reuse_by_app", "plot_reuse_by_token_type", "plot_ttft_cdf",
+           "plot_ttft_vs_load"]
 
 _DPI = 110
 
@@ -134,3 +148,167 @@ def plot_gap_histograms(result: Mapping[str, Any], gaps: Mapping[str, np.ndarray
         ax.legend(fontsize=7)
     fig.suptitle(f"Inter-turn gaps ({result.get('source') or 'trace'})")
     return _save(fig, Path(out_dir) / "gap_histograms.png")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Experiment figures
+
+
+def _panels(n: int, width: float = 5.2, height: float = 3.6) -> tuple[Figure, list[Any]]:
+    fig = Figure(figsize=(width * n, height))
+    return fig, list(fig.subplots(1, n, squeeze=False)[0])
+
+
+def plot_hit_rate_vs_capacity(rows: list[Mapping[str, Any]], path: str | Path) -> Path | None:
+    """Token hit rate against capacity (blocks), one line per agent, a panel per workload."""
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, axes = _panels(len(workloads))
+    for ax, w in zip(axes, workloads, strict=True):
+        for agent in dict.fromkeys(r["agent"] for r in rows if r["workload"] == w):
+            points: dict[int, list[float]] = {}
+            for r in rows:
+                if r["workload"] == w and r["agent"] == agent:
+                    points.setdefault(int(r["capacity_blocks"]), []).append(float(r["token_hit_rate"]))
+            xs = sorted(points)
+            ax.plot(xs, [100 * np.mean(points[x]) for x in xs], "o-", label=agent)
+        ax.set_xlabel("cache capacity (blocks)")
+        ax.set_ylabel("token hit rate (%)")
+        ax.set_title(w)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, Path(path))
+
+
+def plot_ttft_vs_load(rows: list[Mapping[str, Any]], path: str | Path) -> Path | None:
+    """TTFT mean (solid) and p99 (dashed) against load per agent; None unless there are several loads."""
+    loads = sorted({r["load"] for r in rows if r["load"] is not None and r["ttft_mean_ms"] is not None})
+    if len(loads) < 2:
+        return None
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, axes = _panels(len(workloads))
+    for ax, w in zip(axes, workloads, strict=True):
+        for i, agent in enumerate(dict.fromkeys(r["agent"] for r in rows if r["workload"] == w)):
+            color = f"C{i % 10}"
+            for key, style in (("ttft_mean_ms", "o-"), ("ttft_p99_ms", "s--")):
+                ys = [np.mean([r[key] for r in rows if r["workload"] == w and r["agent"] == agent
+                               and r["load"] == u and r[key] is not None] or [np.nan]) for u in loads]
+                ax.plot(loads, ys, style, color=color, label=f"{agent} {'mean' if key == 'ttft_mean_ms' else 'p99'}")
+        ax.set_yscale("log")
+        ax.set_xlabel("load (target prefill utilisation)")
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title(f"{w}: TTFT vs load")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=6, ncol=2)
+    return _save(fig, Path(path))
+
+
+def _representative(results: list[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Per workload, the cells (one per agent) at the middle capacity, highest load and first seed."""
+    out: dict[str, list[Mapping[str, Any]]] = {}
+    for w in dict.fromkeys(r["cell"]["workload"] for r in results):
+        cells = [r for r in results if r["cell"]["workload"] == w]
+        caps = list(dict.fromkeys(str(r["cell"]["capacity"]) for r in cells))
+        loads = [u for u in dict.fromkeys(r["cell"]["load"] for r in cells)]
+        load = max((u for u in loads if u is not None), default=None)
+        seed = min(r["cell"]["seed"] for r in cells)
+        cap = caps[len(caps) // 2]
+        out[w] = [r for r in cells if str(r["cell"]["capacity"]) == cap and r["cell"]["load"] == load
+                  and r["cell"]["seed"] == seed]
+    return out
+
+
+def _title(cell: Mapping[str, Any]) -> str:
+    load = "" if cell["load"] is None else f", load {cell['load']:g}"
+    return f"{cell['workload']} (capacity {cell['capacity']}{load}, seed {cell['seed']})"
+
+
+def plot_ttft_cdf(results: list[Mapping[str, Any]], path: str | Path) -> Path | None:
+    """CDF of per-request TTFT, one curve per agent, a panel per workload; None with instant serving."""
+    groups = {w: [r for r in rs if r.get("ttft_quantiles_ms")] for w, rs in _representative(results).items()}
+    groups = {w: rs for w, rs in groups.items() if rs}
+    if not groups:
+        return None
+    fig, axes = _panels(len(groups))
+    q = np.arange(101) / 100.0
+    for ax, rs in zip(axes, groups.values(), strict=True):
+        for r in rs:
+            ax.plot(np.maximum(r["ttft_quantiles_ms"], 1e-3), q, label=r["cell"]["agent"]["name"])
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(_title(rs[0]["cell"]), fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    return _save(fig, Path(path))
+
+
+def _shade_phases(ax: Any, result: Mapping[str, Any]) -> None:
+    """Alternate grey bands over the windows of each phase, labelled with its name at the top."""
+    history, phases = result.get("history", []), result.get("phases") or []
+    spans: list[tuple[int, float, float]] = []
+    for row in history:
+        p = row.get("phase", -1)
+        if spans and spans[-1][0] == p:
+            spans[-1] = (p, spans[-1][1], row["t_end"])
+        else:
+            spans.append((p, row["t_start"], row["t_end"]))
+    for k, (p, t0, t1) in enumerate(spans):
+        if p < 0 or p >= len(phases):
+            continue
+        if k % 2 == 0:
+            ax.axvspan(t0, t1, color="0.5", alpha=0.12, lw=0)
+        ax.annotate(phases[p]["name"], ((t0 + t1) / 2, 1.0), xycoords=("data", "axes fraction"), ha="center",
+                    va="bottom", fontsize=7, color="0.3")
+
+
+def plot_hit_rate_over_time(results: list[Mapping[str, Any]], path: str | Path) -> Path | None:
+    """Windowed token hit rate over simulated time, one line per agent, a panel per workload, phases shaded."""
+    groups = _representative(results)
+    fig, axes = _panels(len(groups), width=6.5)
+    for ax, (_w, rs) in zip(axes, groups.items(), strict=True):
+        for r in rs:
+            h = r["history"]
+            ax.plot([row["t_end"] for row in h], [100 * row["token_hit_rate"] for row in h], lw=1.2,
+                    label=r["cell"]["agent"]["name"])
+        if rs:
+            _shade_phases(ax, rs[0])
+            ax.set_title(_title(rs[0]["cell"]), fontsize=9, pad=12)
+        ax.set_xlabel("simulated time (s)")
+        ax.set_ylabel("token hit rate per window (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, Path(path))
+
+
+_PARAM_GROUPS = (("alpha per queue", "alpha_"), ("type weights", "w_"), ("survival (mu / sigma)", ("mu_", "sigma_")),
+                 ("position decay gamma", "gamma"))
+
+
+def plot_param_trajectories(results: list[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
+    """``params_<workload>_<agent>.png`` for every agent whose parameters move over time (representative cells)."""
+    paths = []
+    for w, rs in _representative(results).items():
+        for r in rs:
+            h = r["history"]
+            names = list((h[0].get("params") or {}) if h else {})
+            moving = [n for n in names if len({row["params"].get(n) for row in h}) > 1]
+            if not moving:
+                continue
+            groups = [(title, [n for n in names if n.startswith(prefix)]) for title, prefix in _PARAM_GROUPS]
+            grouped = {n for _, ns in groups for n in ns}
+            groups.append(("other", [n for n in names if n not in grouped]))
+            groups = [(t, ns) for t, ns in groups if ns]
+            fig, axes = _panels(len(groups), width=4.6)
+            t = [row["t_end"] for row in h]
+            for ax, (title, ns) in zip(axes, groups, strict=True):
+                for n in ns:
+                    ax.plot(t, [row["params"][n] for row in h], lw=1.2, label=n)
+                _shade_phases(ax, r)
+                ax.set_title(title, fontsize=9, pad=12)
+                ax.set_xlabel("simulated time (s)")
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=6)
+            agent = r["cell"]["agent"]["name"]
+            fig.suptitle(f"{agent}: parameters over time, {_title(r['cell'])}", fontsize=10, y=1.06)
+            paths.append(_save(fig, Path(out_dir) / f"params_{w}_{agent}.png"))
+    return paths

@@ -1,0 +1,638 @@
+"""Experiments: a YAML config expanded into cells, run on Ray (or serially), written as they finish, resumable.
+
+A config names workloads, cache capacities, serving loads, agents and seeds; every combination is a **cell**
+(workload x capacity x load x agent x seed), one episode of one agent on one trace. Schema (``configs/*.yaml``)::
+
+    name: quickstart                 # the experiment (folder name under ``output``, W&B group)
+    description: one line            # optional
+    workloads:                       # name + trace spec (sae_env.sources.trace_from_spec)
+      - {name: taubench, trace: taubench}
+      - {name: shift, trace: {source: synthetic, preset: shift}, reseed: true}
+    capacities: [0.05, 0.15]         # fraction of the trace's distinct blocks, blocks (int), '15%' or KV bytes
+    agents:                          # a shorthand (a policy name, or a preset of the runner, e.g. saecache-fixed)
+      - lru                          #   or {name, policy, agent, options, policy_options}
+      - {name: saecache-no-weights, policy: saecache, agent: sae_online, policy_options: {type_weights: false}}
+    serving: {model: qwen2.5-1.5b@a40, loads: [0.8]}   # model 'instant' = hit rates only; loads: target utilisation
+    window: 100                      # requests per window (or '30s'): metric granularity and learning period
+    seeds: [0]
+    reward: hit_rate                 # the env's reward (hit_rate, hit_tokens, neg_ttft)
+    ray: {address: null, num_cpus: null, retries: 1}
+    wandb: {mode: offline, project: saecache-gym, entity: null, group: null}
+    output: runs
+
+Unknown keys raise :class:`ConfigError` naming the key and listing the valid ones. ``reseed`` (default: on for the
+generated sources ``synthetic`` and ``mix`` unless the spec fixes ``seed``) sets the trace generator's seed to the
+cell's seed, so that seeds vary the workload and not only the agent.
+
+Running (:func:`run_experiment`): traces are built once per (workload, seed) in the driver and put once into Ray's
+object store; cells run as Ray tasks (one CPU each) on a private local cluster (:mod:`sae_env.ray_local`: nothing
+leaves the machine) or on the cluster at ``ray.address``; ``serial=True`` runs them in this process. A finished cell
+is written at once (``cells/<cell-id>.json``, atomic rename), so rerunning the same config resumes: the run folder
+is ``<output>/<name>/<run-id>`` with the run id a hash of everything that decides the results. A cell that raises
+is retried ``ray.retries`` times, then reported (``failures.json``, report.md) while the others finish.
+
+What runs a cell is the **cell runner** handed in by the caller (:class:`CellRunner`; the ``agents`` package's
+``agents.evaluate.CellRunner``): this module never imports ``agents``. Cell results are deterministic (same config
+and seed, same numbers, serial or Ray); wall-clock values live under ``timing`` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from sae_env.trace import Trace
+
+__all__ = ["AgentSpec", "Cell", "CellRunner", "ConfigError", "ExperimentConfig", "ExperimentRun", "RayConfig",
+           "ServingConfig", "WandbConfig", "WorkloadSpec", "expand", "load_config", "load_results", "run_experiment"]
+
+GENERATED_SOURCES = frozenset({"synthetic", "mix"})  # sources whose trace comes from a seed
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+class ConfigError(ValueError):
+    """A bad experiment config: the message names the key (``agents[2].policy``) and what is valid."""
+
+
+class CellRunner(Protocol):
+    """Runs one cell (an episode of one agent on one trace). Picklable: Ray ships it to the workers.
+
+    ``kinds``: valid ``agent`` values of an agent spec; ``presets``: agent shorthands (``{"saecache-fixed":
+    {"policy": "saecache", "agent": "fixed"}}``); a bare policy name means that policy under the ``baseline`` kind,
+    unless a preset of that name exists. ``__call__`` returns a JSON-able dict with at least ``summary`` (the keys
+    of :func:`sae_env.metrics.summarize`), ``history`` (one dict per window with ``t_start``, ``t_end``,
+    ``token_hit_rate``, ``params`` ...) and ``timing`` (wall-clock seconds; excluded from comparisons).
+    """
+
+    kinds: Sequence[str]
+    presets: Mapping[str, Mapping[str, Any]]
+
+    def __call__(self, cell: Mapping[str, Any], trace: Trace) -> dict[str, Any]: ...
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The config: typed, validated, with errors that name the key
+
+
+def _check_keys(data: Any, valid: Sequence[str], where: str, required: Sequence[str] = ()) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} ({data!r})")
+    unknown = sorted(set(map(str, data)) - set(valid))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {', '.join(valid)}")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ConfigError(f"{where}: missing key(s) {missing}")
+    return dict(data)
+
+
+def _as_list(value: Any, where: str) -> list[Any]:
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise ConfigError(f"{where}: must not be empty")
+    return items
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+def _name(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ConfigError(f"{where}: {value!r} is not a valid name (letters, digits, '_', '.', '+', '-'; it names "
+                          "folders and W&B runs)")
+    return value
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A named trace: ``trace`` is a spec for :func:`sae_env.sources.trace_from_spec`."""
+
+    name: str
+    trace: str | dict[str, Any]
+    reseed: bool  # the cell's seed becomes the generator's seed
+
+    @classmethod
+    def from_config(cls, data: Any, where: str) -> WorkloadSpec:
+        if isinstance(data, str):
+            data = {"name": data, "trace": data}
+        d = _check_keys(data, ("name", "trace", "reseed"), where, required=("trace",))
+        trace = d["trace"]
+        if isinstance(trace, Mapping):
+            trace = dict(trace)
+            if not any(k in trace for k in ("trace", "path", "source")):
+                raise ConfigError(f"{where}.trace: a mapping needs 'source' (e.g. synthetic), 'trace' (an embedded "
+                                  "name or file) or 'path'")
+        elif not isinstance(trace, str):
+            raise ConfigError(f"{where}.trace: expected a name, a path or a mapping, got {trace!r}")
+        name = d.get("name", trace if isinstance(trace, str) else trace.get("trace") or trace.get("source"))
+        source = trace if isinstance(trace, str) else trace.get("source") or trace.get("trace")
+        generated = source in GENERATED_SOURCES and not (isinstance(trace, dict) and "seed" in trace)
+        reseed = d.get("reseed", generated)
+        if not isinstance(reseed, bool):
+            raise ConfigError(f"{where}.reseed: expected true or false, got {reseed!r}")
+        if reseed and source not in GENERATED_SOURCES:
+            raise ConfigError(f"{where}.reseed: only generated sources ({', '.join(sorted(GENERATED_SOURCES))}) "
+                              f"take a seed; {source!r} is data")
+        return cls(_name(name, f"{where}.name"), trace, reseed)
+
+    def spec_for(self, seed: int) -> str | dict[str, Any]:
+        """The trace spec of this workload under ``seed``."""
+        if not self.reseed:
+            return self.trace
+        spec = {"source": self.trace} if isinstance(self.trace, str) else dict(self.trace)
+        return {**spec, "seed": int(seed)}
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """An agent of the experiment: ``agent`` (a kind of the cell runner) driving ``policy``."""
+
+    name: str
+    policy: str
+    agent: str
+    options: dict[str, Any] = field(default_factory=dict)  # the agent's constructor options
+    policy_options: dict[str, Any] = field(default_factory=dict)  # the policy's (switches, predictor, ...)
+
+    @classmethod
+    def from_config(cls, data: Any, where: str, runner: CellRunner | None) -> AgentSpec:
+        from sae_env.policies import policy_names
+
+        presets = dict(runner.presets) if runner is not None else {}
+        if isinstance(data, str):
+            if data in presets:
+                data = {"name": data, **presets[data]}
+            elif data in policy_names():
+                data = {"name": data, "policy": data}
+            else:
+                raise ConfigError(f"{where}: unknown agent {data!r}; shorthands: "
+                                  f"{', '.join(sorted(set(presets) | set(policy_names())))}")
+        d = _check_keys(data, ("name", "policy", "agent", "options", "policy_options"), where, required=("policy",))
+        if d["policy"] not in policy_names():
+            raise ConfigError(f"{where}.policy: unknown policy {d['policy']!r}; valid policies: "
+                              f"{', '.join(policy_names())}")
+        agent = d.get("agent", "baseline")
+        if runner is not None and agent not in runner.kinds and ":" not in str(agent):
+            raise ConfigError(f"{where}.agent: unknown agent kind {agent!r}; valid: {', '.join(runner.kinds)} "
+                              "(or 'module:Class')")
+        for key in ("options", "policy_options"):
+            if not isinstance(d.get(key, {}), Mapping):
+                raise ConfigError(f"{where}.{key}: expected a mapping, got {d[key]!r}")
+        return cls(_name(d.get("name", d["policy"]), f"{where}.name"), d["policy"], str(agent),
+                   dict(d.get("options", {})), dict(d.get("policy_options", {})))
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    model: str = "instant"  # 'instant' or a serving preset (sae_env.serving)
+    loads: tuple[float | None, ...] = (None,)  # target utilisations of the prefill server (None: the trace's times)
+
+    @classmethod
+    def from_config(cls, data: Any, where: str = "serving") -> ServingConfig:
+        from sae_env.serving import make_server
+
+        if isinstance(data, str):
+            data = {"model": data}
+        d = _check_keys(data, ("model", "loads"), where)
+        model = d.get("model", "instant")
+        try:
+            timed = make_server(model).timed
+        except ValueError as e:
+            raise ConfigError(f"{where}.model: {e}") from None
+        loads = tuple(_as_list(d.get("loads", [None]), f"{where}.loads"))
+        for u in loads:
+            if u is None:
+                continue
+            if isinstance(u, bool) or not isinstance(u, (int, float)) or not (0 < u < 10 and math.isfinite(u)):
+                raise ConfigError(f"{where}.loads: {u!r} is not a utilisation (a number in (0, 10), e.g. 0.8)")
+            if not timed:
+                raise ConfigError(f"{where}.loads: a load needs a timed model (e.g. qwen2.5-1.5b@a40), not "
+                                  f"{model!r}")
+        return cls(str(model), tuple(None if u is None else float(u) for u in loads))
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    enabled: bool = True  # False: run the cells serially in the driver (as --serial)
+    address: str | None = None  # an existing cluster (theirs to configure); None: a private local one
+    num_cpus: int | None = None  # CPUs of the local cluster (None: all)
+    retries: int = 1  # extra attempts of a failed cell
+
+    @classmethod
+    def from_config(cls, data: Any, where: str = "ray") -> RayConfig:
+        d = _check_keys(data or {}, ("enabled", "address", "num_cpus", "retries"), where)
+        out = cls(**d)
+        if not isinstance(out.enabled, bool):
+            raise ConfigError(f"{where}.enabled: expected true or false, got {out.enabled!r}")
+        if out.address is not None and not (isinstance(out.address, str) and out.address):
+            raise ConfigError(f"{where}.address: expected a string such as 'ray://host:10001', got {out.address!r}")
+        if out.num_cpus is not None and (isinstance(out.num_cpus, bool) or not isinstance(out.num_cpus, int)
+                                         or out.num_cpus < 1):
+            raise ConfigError(f"{where}.num_cpus: expected an integer >= 1 or null, got {out.num_cpus!r}")
+        if isinstance(out.retries, bool) or not isinstance(out.retries, int) or not 0 <= out.retries <= 10:
+            raise ConfigError(f"{where}.retries: expected an integer in [0, 10], got {out.retries!r}")
+        return out
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    mode: str = "offline"  # offline (default; `wandb sync` later), online, or disabled
+    project: str = "saecache-gym"
+    entity: str | None = None
+    group: str | None = None  # default: the experiment's name
+
+    @classmethod
+    def from_config(cls, data: Any, where: str = "wandb") -> WandbConfig:
+        d = _check_keys(data or {}, ("mode", "project", "entity", "group"), where)
+        out = cls(**d)
+        if out.mode not in WANDB_MODES:
+            raise ConfigError(f"{where}.mode: {out.mode!r} is not one of {', '.join(WANDB_MODES)}")
+        for key in ("project", "entity", "group"):
+            v = getattr(out, key)
+            if v is not None and not (isinstance(v, str) and v):
+                raise ConfigError(f"{where}.{key}: expected a non-empty string, got {v!r}")
+        return out
+
+
+_TOP_KEYS = ("name", "description", "workloads", "capacities", "agents", "serving", "window", "seeds", "reward",
+             "ray", "wandb", "output")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """A validated experiment config (see the module docstring for the YAML schema)."""
+
+    name: str
+    workloads: tuple[WorkloadSpec, ...]
+    capacities: tuple[float | int | str, ...]
+    agents: tuple[AgentSpec, ...]
+    serving: ServingConfig = ServingConfig()
+    window: int | str = 100
+    seeds: tuple[int, ...] = (0,)
+    reward: str = "hit_rate"
+    ray: RayConfig = RayConfig()
+    wandb: WandbConfig = WandbConfig()
+    output: str = "runs"
+    description: str = ""
+
+    @classmethod
+    def from_dict(cls, data: Any, runner: CellRunner | None = None, where: str = "config") -> ExperimentConfig:
+        from sae_env.env import REWARDS
+
+        d = _check_keys(data, _TOP_KEYS, where, required=("name", "workloads", "capacities", "agents"))
+        workloads = tuple(WorkloadSpec.from_config(w, f"workloads[{i}]")
+                          for i, w in enumerate(_as_list(d["workloads"], "workloads")))
+        agents = tuple(AgentSpec.from_config(a, f"agents[{i}]", runner)
+                       for i, a in enumerate(_as_list(d["agents"], "agents")))
+        for label, items in (("workloads", workloads), ("agents", agents)):
+            names = [x.name for x in items]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ConfigError(f"{label}: duplicate name(s) {dup}; give each entry its own 'name'")
+        capacities = tuple(_as_list(d["capacities"], "capacities"))
+        for c in capacities:
+            _check_capacity(c)
+        seeds = tuple(_as_list(d.get("seeds", [0]), "seeds"))
+        for s in seeds:
+            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+                raise ConfigError(f"seeds: {s!r} is not an integer >= 0")
+        if len(set(seeds)) != len(seeds):
+            raise ConfigError(f"seeds: duplicates in {list(seeds)}")
+        window = d.get("window", 100)
+        if isinstance(window, bool) or not (isinstance(window, int) and window >= 1 or isinstance(window, str)):
+            raise ConfigError(f"window: expected requests per window (an integer >= 1) or seconds ('30s'), "
+                              f"got {window!r}")
+        reward = d.get("reward", "hit_rate")
+        if reward not in REWARDS:
+            raise ConfigError(f"reward: {reward!r} is not one of {', '.join(REWARDS)}")
+        serving = ServingConfig.from_config(d.get("serving", "instant"))
+        if reward == "neg_ttft" and serving.model == "instant":
+            raise ConfigError("reward: 'neg_ttft' needs a timed serving model, not 'instant'")
+        description = d.get("description", "")
+        output = d.get("output", "runs")
+        if not isinstance(output, str) or not output:
+            raise ConfigError(f"output: expected a folder, got {output!r}")
+        return cls(name=_name(d["name"], "name"), workloads=workloads, capacities=capacities, agents=agents,
+                   serving=serving, window=window, seeds=seeds, reward=reward,
+                   ray=RayConfig.from_config(d.get("ray")), wandb=WandbConfig.from_config(d.get("wandb")),
+                   output=output, description=str(description or ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(asdict(self)))
+
+    def results_key(self) -> str:
+        """A short hash of everything that decides the cells' results (not where or how they run)."""
+        d = self.to_dict()
+        for k in ("ray", "wandb", "output", "description"):
+            d.pop(k)
+        return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _check_capacity(c: Any) -> None:
+    ok = (not isinstance(c, bool) and isinstance(c, (int, float)) and c > 0 and math.isfinite(c)) or (
+        isinstance(c, str) and c.strip() != "")
+    if not ok:
+        raise ConfigError(f"capacities: {c!r} is not a capacity (blocks as an integer, a fraction of the distinct "
+                          "blocks such as 0.15, '15%', or KV bytes such as '2GiB')")
+
+
+def load_config(source: str | os.PathLike | Mapping[str, Any], runner: CellRunner | None = None,
+                overrides: Mapping[str, Any] | None = None) -> ExperimentConfig:
+    """An :class:`ExperimentConfig` from a YAML file (or a mapping); ``overrides`` replace top-level keys."""
+    if isinstance(source, Mapping):
+        data, where = dict(source), "config"
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: malformed YAML ({e})") from None
+        where = str(path)
+        if isinstance(data, Mapping) and "ppo" in data and "workloads" not in data:
+            raise ConfigError(f"{path} is a PPO training config: run it with `python train.py ppo --config {path}`")
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of experiment keys ({', '.join(_TOP_KEYS)})")
+    data = {**data, **(overrides or {})}
+    try:
+        return ExperimentConfig.from_dict(data, runner, where)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}" if not str(e).startswith(where) else str(e)) from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cells
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One episode: ``agent`` on ``workload`` (under ``seed``) with cache ``capacity`` at ``load``."""
+
+    workload: str
+    capacity: float | int | str
+    load: float | None
+    agent: str
+    seed: int
+
+    @property
+    def id(self) -> str:
+        load = "" if self.load is None else f"__load{self.load:g}"
+        return _slug(f"{self.workload}__cap{self.capacity}{load}__{self.agent}__s{self.seed}")
+
+    @property
+    def trace_key(self) -> tuple[str, int]:
+        return self.workload, self.seed
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", text)
+
+
+def expand(config: ExperimentConfig) -> list[Cell]:
+    """All cells, in a fixed order: workload, capacity, load, seed, agent (the agents of a group side by side)."""
+    return [Cell(w.name, c, u, a.name, s) for w in config.workloads for c in config.capacities
+            for u in config.serving.loads for s in config.seeds for a in config.agents]
+
+
+def cell_task(config: ExperimentConfig, cell: Cell) -> dict[str, Any]:
+    """What a cell runner receives: the cell plus everything needed to build its env and agent."""
+    agent = next(a for a in config.agents if a.name == cell.agent)
+    return {"id": cell.id, "workload": cell.workload, "capacity": cell.capacity, "load": cell.load,
+            "seed": cell.seed, "agent": asdict(agent), "serving": config.serving.model, "window": config.window,
+            "reward": config.reward}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclass
+class ExperimentRun:
+    """What :func:`run_experiment` did: the run folder, every cell's result (by cell id) and the failures."""
+
+    config: ExperimentConfig
+    run_dir: Path
+    cells: list[Cell]
+    results: dict[str, dict[str, Any]]
+    failures: dict[str, dict[str, Any]]
+    resumed: int  # cells found finished from an earlier invocation
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def run_dir_for(config: ExperimentConfig, run_id: str | None = None) -> Path:
+    return Path(config.output) / config.name / (run_id or config.results_key())
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=_json_default, allow_nan=False) + "\n")
+    os.replace(tmp, path)  # atomic: a reader (or a resumed run) sees the whole file or none
+
+
+def _json_default(o: Any) -> Any:
+    import numpy as np
+
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _finite(o: Any) -> Any:
+    """Replace NaN / inf by None (JSON has neither; allow_nan=False would reject them)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+def load_results(run_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """The finished cells of a run folder, by cell id."""
+    out = {}
+    for p in sorted(Path(run_dir, "cells").glob("*.json")):
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError:  # cannot happen with atomic writes, unless edited by hand: rerun the cell
+            continue
+        out[data["cell"]["id"]] = data
+    return out
+
+
+def _run_one(runner: CellRunner, task: dict[str, Any], trace: Trace) -> dict[str, Any]:
+    """A cell in a worker (or the driver): the runner's result with the cell description attached."""
+    try:  # one thread per worker: cells run side by side, one per CPU
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    result = runner(task, trace)
+    return _finite({**result, "cell": task})
+
+
+def _failure(cell: Cell, error: BaseException, attempts: int) -> dict[str, Any]:
+    cause = getattr(error, "cause", None) or error  # a RayTaskError wraps the worker's exception
+    return {"cell": cell.id, "attempts": attempts, "error": f"{type(cause).__name__}: {cause}",
+            "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]}
+
+
+def run_experiment(config: ExperimentConfig, runner: CellRunner, *, serial: bool | None = None,
+                   ray_address: str | None = None, num_cpus: int | None = None, run_id: str | None = None,
+                   wandb_mode: str | None = None, progress: bool = True, report: bool = True,
+                   log: Callable[[str], None] | None = None) -> ExperimentRun:
+    """Run every unfinished cell of ``config`` and write the run folder; see the module docstring.
+
+    ``serial`` / ``ray_address`` / ``num_cpus`` / ``wandb_mode`` override the config's ``ray`` and ``wandb``
+    sections; ``run_id`` names the run folder (default: the config's results hash, so reruns resume).
+    """
+    from sae_env.tracking import Tracker
+
+    t0 = time.perf_counter()
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    run_dir = run_dir_for(config, run_id)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(run_dir / "config.json", config.to_dict())
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    cells = expand(config)
+    done = {k: v for k, v in load_results(run_dir).items() if k in {c.id for c in cells}}
+    todo = [c for c in cells if c.id not in done]
+    log(f"experiment {config.name}: {len(cells)} cells ({len(done)} already done) -> {run_dir}")
+    tracker = Tracker(config, run_dir, mode=wandb_mode, log=log)
+    results = dict(done)
+    failures: dict[str, dict[str, Any]] = {}
+
+    def finished(cell: Cell, result: dict[str, Any]) -> None:
+        _write_json(run_dir / "cells" / f"{cell.id}.json", result)
+        results[cell.id] = result
+        tracker.log_cell(cell, result)
+
+    try:
+        if todo:
+            traces = _build_traces(config, todo, log)
+            use_ray = (config.ray.enabled if serial is None else not serial) or ray_address is not None
+            bar = _progress(len(cells), len(done), progress)
+            try:
+                if use_ray:
+                    _run_on_ray(config, runner, todo, traces, finished, failures, bar,
+                                address=ray_address or config.ray.address,
+                                num_cpus=num_cpus or config.ray.num_cpus)
+                else:
+                    _run_serial(config, runner, todo, traces, finished, failures, bar)
+            finally:
+                bar.close()
+        if failures:
+            _write_json(run_dir / "failures.json", failures)
+            for cid, f in failures.items():
+                log(f"cell {cid} FAILED after {f['attempts']} attempt(s): {f['error']}")
+        elif (run_dir / "failures.json").exists():
+            (run_dir / "failures.json").unlink()
+        run = ExperimentRun(config, run_dir, cells, results, failures, len(done), 0.0)
+        if report:
+            from sae_env.report import write_report
+
+            paths = write_report(run)
+            tracker.log_summary(run, paths)
+    finally:
+        tracker.close()  # waits for the W&B writer thread
+    run.wall_s = time.perf_counter() - t0
+    return run
+
+
+def _build_traces(config: ExperimentConfig, cells: list[Cell], log: Callable[[str], None]) -> dict:
+    from sae_env.sources import trace_from_spec
+
+    workloads = {w.name: w for w in config.workloads}
+    traces: dict[tuple[str, int], Trace] = {}
+    for key in dict.fromkeys(c.trace_key for c in cells):
+        name, seed = key
+        if not workloads[name].reseed and any(k[0] == name for k in traces):  # data: one trace for every seed
+            traces[key] = next(t for k, t in traces.items() if k[0] == name)
+            continue
+        try:
+            trace, _ = trace_from_spec(workloads[name].spec_for(seed))
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"workload {name!r}: {e}") from None
+        log(f"workload {name} (seed {seed}): {len(trace)} requests, {trace.n_blocks} prompt blocks, "
+            f"{trace.distinct_blocks()} distinct")
+        traces[key] = trace
+    return traces
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None: ...
+
+    def set_postfix_str(self, s: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _progress(total: int, initial: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="cell", desc="cells", file=sys.stderr, dynamic_ncols=True)
+
+
+def _run_serial(config: ExperimentConfig, runner: CellRunner, todo: list[Cell], traces: dict,
+                finished: Callable[[Cell, dict], None], failures: dict, bar: Any) -> None:
+    for cell in todo:
+        task = cell_task(config, cell)
+        for attempt in range(1, config.ray.retries + 2):
+            try:
+                result = _run_one(runner, task, traces[cell.trace_key])
+            except Exception as e:  # a cell's failure must not lose the others
+                if attempt == config.ray.retries + 1:
+                    failures[cell.id] = _failure(cell, e, attempt)
+                continue
+            finished(cell, result)
+            break
+        bar.set_postfix_str(cell.id[-40:])
+        bar.update()
+
+
+def _run_on_ray(config: ExperimentConfig, runner: CellRunner, todo: list[Cell], traces: dict,
+                finished: Callable[[Cell, dict], None], failures: dict, bar: Any, *, address: str | None,
+                num_cpus: int | None) -> None:
+    from sae_env.ray_local import ray_cluster
+
+    with ray_cluster(num_cpus=num_cpus, address=address) as ray:
+        # Retries cover both a raising cell and a dead worker process (OOM, segfault).
+        task_fn = ray.remote(num_cpus=1, max_retries=config.ray.retries, retry_exceptions=True)(_run_one)
+        runner_ref = ray.put(runner)
+        trace_refs = {key: ray.put(trace) for key, trace in traces.items()}  # once each, shared by its cells
+        pending = {task_fn.remote(runner_ref, cell_task(config, cell), trace_refs[cell.trace_key]): cell
+                   for cell in todo}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                cell = pending.pop(ref)
+                try:
+                    result = ray.get(ref)
+                except Exception as e:
+                    failures[cell.id] = _failure(cell, e, config.ray.retries + 1)
+                else:
+                    finished(cell, result)
+                bar.set_postfix_str(cell.id[-40:])
+                bar.update()
