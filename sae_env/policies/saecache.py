@@ -17,15 +17,20 @@ Within a queue, block ``b`` has priority ``P(b) = alpha_q * w_type(b) * p_q(b) /
 off), ``1 - x_b ** gamma`` for structural (``x_b`` = the block's offset / its prompt's length in blocks), 1 for PE.
 Any evictable PE block goes before every other block.
 
-Victim selection, exact where it can be and sampled where it cannot. Unpinned blocks sit in one recency list per
+Victim selection, exact where it can be and sampled where it cannot. Unpinned blocks belong to one recency list per
 (queue, type) group, in release order (vLLM's free-queue order). Inside a chat, agent or PE group every block shares
 ``alpha``, ``w`` and the survival curve, and ``S(dt)/dt`` falls with ``dt``, so the group's minimum is its least
 recently released leaf: one candidate per group is exact. In a structural group the offset also matters, so the
 first ``sample`` leaves from its head are candidates (Redis / LRB-style sampling); tests measure how often this
-differs from the exact argmin over all evictable blocks. Only leaves are evictable: a non-leaf met at the head of a
-list is parked aside (a shared system prompt stays an inner node for as long as any session hangs below it), and
-when its last child goes it returns to its group through a small heap ordered by its release stamp, so the group's
-order stays exact.
+differs from the exact argmin over all evictable blocks. Only leaves are evictable: an inner node (a shared system
+prompt stays one for as long as any session hangs below it) is parked aside, and when its last child goes it returns
+to its group through a small heap ordered by its release stamp, so the group's order stays exact.
+
+Cost. A request acquires and releases its whole hit prefix (hundreds of blocks, nearly all inner nodes), so that
+path does almost nothing per block: acquiring is free (a pinned block's list entry is just dead until its release
+appends a fresh one), releasing stamps each block and lists only what a scan can need (see ``on_release``). Dead
+entries are dropped when a scan meets them and by an occasional compaction. Candidates are cached per group while
+the clock stands still, so the evictions of one insertion run refresh only the groups they touched.
 
 Parameters (a named, bounded vector agents can set): ``alpha_st, alpha_ch, alpha_ag``, one ``w_<TYPE>`` per token
 type, ``mu_chat, sigma_chat, mu_agent, sigma_agent``, ``gamma``. The online learners that set them after every
@@ -41,9 +46,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from sae_env.cache import Block
 from sae_env.policies.base import EvictionPolicy, ParamSpec
@@ -54,6 +61,9 @@ QUEUES = ("priority_eviction", "structural", "chat", "agent")
 N_QUEUES = len(QUEUES)
 _SQRT2 = math.sqrt(2.0)
 _STRUCTURAL_TYPES = (TokenType.SYSTEM, TokenType.TEMPLATE)
+_COMPACT_MIN = 1 << 16  # list entries appended before the first compaction
+_CONSTANT, _LOGNORMAL, _EXPONENTIAL, _POSITION = range(4)  # kinds of survival term p_q
+_REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)  # plain ints: enum lookups cost more
 
 # A session predictor answers, for a session's first request, (P(continues as chat), P(continues as agent)).
 Predictor = Callable[[Trace, int], tuple[float, float]]
@@ -72,6 +82,24 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
 )
 
 
+class _RecencyList:
+    """One group's released blocks in release order, as parallel deques of (release stamp, block).
+
+    An entry is live while its block still carries that stamp and no request pins it; others are dead (the block
+    was acquired since, evicted or parked) and are dropped lazily. Two deques rather than one of tuples: a tuple per
+    released block would cost an allocation each and keep the garbage collector busy.
+    """
+
+    __slots__ = ("stamps", "blocks")
+
+    def __init__(self, stamps=(), blocks=()) -> None:
+        self.stamps: deque[int] = deque(stamps)
+        self.blocks: deque[Block] = deque(blocks)
+
+    def live(self) -> list[tuple[int, Block]]:
+        return [(s, b) for s, b in zip(self.stamps, self.blocks, strict=True) if b.stamp == s and not b.pins]
+
+
 class SAECachePolicy(EvictionPolicy):
     name = "saecache"
     param_specs = PARAM_SPECS
@@ -88,16 +116,18 @@ class SAECachePolicy(EvictionPolicy):
         self.switches = {"type_weights": bool(type_weights), "adaptive_alpha": bool(adaptive_alpha),
                          "lognormal": bool(lognormal), "position_decay": bool(position_decay),
                          "multi_queue": bool(multi_queue), "predictor": predictor is not False}
+        self._multi, self._typed = self.switches["multi_queue"], self.switches["type_weights"]  # hot-path copies
         self.predictor: Predictor | None = predictor if callable(predictor) else None
         self.continue_threshold = continue_threshold
         self.sample = int(sample)
         self.min_dt = float(min_dt)
-        self._groups: dict[int, OrderedDict[int, Block]] = {}  # (queue * 8 + type) -> unpinned blocks, release order
-        self._parked: dict[int, Block] = {}  # unpinned inner nodes taken out of their lists
+        self._lists: dict[int, _RecencyList] = {}  # group (queue * 8 + type) -> recency list
         self._returned: dict[int, list[tuple[int, int, Block]]] = {}  # group -> heap of (stamp, key, block)
+        self._entries = 0  # list entries appended since the last compaction
+        self._compact_at = _COMPACT_MIN
         # Best candidate per group, valid while no block is acquired or released and the clock stands still: the
         # evictions of one insertion run reuse it and refresh only the groups they touched.
-        self._cand: dict[int, tuple[tuple, Block]] = {}
+        self._cand: dict[int, tuple[tuple, int, Block]] = {}
         self._cand_now: float | None = None
         self._dirty: set[int] = set()
         self._released = 0
@@ -109,6 +139,7 @@ class SAECachePolicy(EvictionPolicy):
         self._inflight: dict[int, int] = {}  # request -> the queue chosen at its arrival (until it completes)
         self._output_reasoning = False  # the completing request's output holds reasoning
         self._occupancy = [0] * N_QUEUES
+        self._facts_of: Trace | None = None  # the trace whose per-request facts are cached (see _learn_trace)
         self.reset_window()
         if params:
             self.set_params(params)
@@ -124,14 +155,47 @@ class SAECachePolicy(EvictionPolicy):
         self._ln = {CH: (p["mu_chat"], p["sigma_chat"]), AG: (p["mu_agent"], p["sigma_agent"])}
         self._exp_mean = {q: math.exp(mu + s * s / 2) for q, (mu, s) in self._ln.items()}
         self._gamma = p["gamma"]
+        # per queue * 8 + type: (PE flag, survival kind, its two constants, alpha * w), see _survival
+        self._consts: dict[int, tuple[int, int, float, float, float]] = {}
         self._cand_now = None
 
+    def _constants(self, q: int, t: int) -> tuple[int, int, float, float, float]:
+        c = self._consts.get(q * 8 + t)
+        if c is None:
+            sw = self.switches
+            if q == CH or q == AG:
+                mu, sigma = self._ln[q]
+                kind, c1, c2 = (_LOGNORMAL, mu, sigma * _SQRT2) if sw["lognormal"] else (_EXPONENTIAL,
+                                                                                         self._exp_mean[q], 0.0)
+            elif q == ST and sw["position_decay"]:
+                kind, c1, c2 = _POSITION, self._gamma, 0.0
+            else:
+                kind, c1, c2 = _CONSTANT, 0.0, 0.0
+            flag = 0 if (q == PE and sw["multi_queue"]) else 1
+            c = self._consts[q * 8 + t] = (flag, kind, c1, c2, self._alpha[q] * self._w[t])
+        return c
+
     # -- routing ---------------------------------------------------------------------------------------------
+    def bind(self, trace: Trace) -> None:
+        self._learn_trace(trace)
+
+    def _learn_trace(self, trace: Trace) -> None:
+        """Per-request facts the hooks need, as Python lists: reading them from numpy per request costs more."""
+        self._facts_of = trace
+        self._app_of = trace.app.tolist()
+        self._turn_of = trace.turn.tolist()
+        self._session_of = trace.session.tolist()
+        self._n_prompt_of = np.maximum(np.diff(trace.prompt_offsets), 1).tolist()
+        self._templated_of = _any_per_request(trace.prompt_types == TokenType.TEMPLATE, trace.prompt_offsets)
+        self._reasoning_of = _any_per_request(trace.output_types == TokenType.REASONING, trace.output_offsets)
+
     def _session_queue(self, trace: Trace, i: int) -> int:
         """Queue of a request's temporal blocks: CH / AG for (predicted) multi-turn sessions, else PE."""
         if not self.switches["multi_queue"]:
             return CH
-        app, turn = int(trace.app[i]), int(trace.turn[i])
+        if trace is not self._facts_of:
+            self._learn_trace(trace)
+        app, turn = self._app_of[i], self._turn_of[i]
         if turn > 1:
             return AG if app == AppType.AGENT else CH
         if self.predictor is not None:
@@ -143,15 +207,16 @@ class SAECachePolicy(EvictionPolicy):
         # blocks) an API-style single-turn request; anything else may be the start of a conversation.
         if app == AppType.AGENT:
             return AG
-        a, b = trace.prompt_offsets[i], trace.prompt_offsets[i + 1]
-        return PE if (trace.prompt_types[a:b] == TokenType.TEMPLATE).any() else CH
+        return PE if self._templated_of[i] else CH
 
     def on_request(self, trace: Trace, i: int, now: float) -> None:
+        if trace is not self._facts_of:
+            self._learn_trace(trace)
         q = self._session_queue(trace, i)
         self._inflight[i] = q
         self._prompt_queue = self._output_queue = q
-        self._n_prompt = max(1, int(trace.prompt_offsets[i + 1] - trace.prompt_offsets[i]))
-        s = int(trace.session[i])
+        self._n_prompt = self._n_prompt_of[i]
+        s = self._session_of[i]
         if s >= 0:
             last = self._sessions.get(s)
             if last is not None and q in (CH, AG):
@@ -165,22 +230,23 @@ class SAECachePolicy(EvictionPolicy):
             self._sessions[s] = (now, q)
 
     def on_complete(self, trace: Trace, i: int, now: float) -> None:
-        a, b = trace.output_offsets[i], trace.output_offsets[i + 1]
+        if trace is not self._facts_of:
+            self._learn_trace(trace)
         # A generation that opens with reasoning, which the next turn's template drops: every block of this output
         # (the answer too) lies on a branch no later prompt follows.
-        self._output_reasoning = bool((trace.output_types[a:b] == TokenType.REASONING).any())
+        self._output_reasoning = self._reasoning_of[i]
         q = self._inflight.pop(i, None)
         self._output_queue = self._session_queue(trace, i) if q is None else q
-        self._n_prompt = max(1, int(trace.prompt_offsets[i + 1] - trace.prompt_offsets[i]))
+        self._n_prompt = self._n_prompt_of[i]
 
     def on_insert(self, block: Block, now: float) -> None:
         t = block.type
         output = block.depth >= self._n_prompt
-        if not self.switches["multi_queue"]:
+        if not self._multi:
             q = CH
-        elif t == TokenType.REASONING or (output and self._output_reasoning):
+        elif t == _REASONING or (output and self._output_reasoning):
             q = PE
-        elif t <= TokenType.TEMPLATE:
+        elif t <= _TEMPLATE:
             q = ST
             block.pdata = min(block.depth / self._n_prompt, 1.0)  # x_b, the block's relative offset
         else:
@@ -190,50 +256,91 @@ class SAECachePolicy(EvictionPolicy):
 
     # -- recency lists -----------------------------------------------------------------------------------------
     def _group(self, b: Block) -> int:
-        return b.queue * 8 + (b.type if self.switches["type_weights"] else 0)
+        return b.queue * 8 + (b.type if self._typed else 0)
+
+    def _list(self, g: int) -> _RecencyList:
+        lst = self._lists.get(g)
+        if lst is None:
+            lst = self._lists[g] = _RecencyList()
+        return lst
 
     def on_acquire(self, blocks: list[Block]) -> None:
+        # Nothing per block: a pinned block's list or heap entry is dead (pins > 0) and its release appends a new
+        # one. Only the cached candidates may be pinned now.
         self._cand_now = None
-        groups, parked = self._groups, self._parked
-        tw = self.switches["type_weights"]
-        last_g, lst = -1, None
-        for b in blocks:
-            g = b.queue * 8 + (b.type if tw else 0)
-            if g != last_g:  # a request's blocks come in long runs of one group: one lookup per run
-                last_g, lst = g, groups[g]
-            if b.key in lst:
-                del lst[b.key]
-            elif parked.pop(b.key, None) is None:
-                b.stamp = 0  # its entry in a returned-heap is now stale
 
     def on_release(self, blocks: list[Block], now: float) -> None:
+        """Stamp every released block; list only the ones a scan can need.
+
+        * Chat, agent and PE groups (one candidate: the oldest evictable block) list the blocks that are leaves
+          when released: in a release only the deepest block can be, as every other one has its path child. The
+          others are parked from the start: an unpinned block gains no child, so it becomes evictable only through
+          on_leaf, which puts it in the returned-heap. The group's oldest evictable block is the older of the
+          list head and the heap top, whichever way the parked blocks were placed.
+        * Structural groups list every released block: their sample is the first ``sample`` leaves of the list,
+          and which blocks those are depends on where the inner nodes sit, so an inner node is parked only when a
+          scan meets it (see _structural_candidates).
+        """
         self._cand_now = None
-        groups = self._groups
-        tw = self.switches["type_weights"]
+        tw = self._typed
         seq = self._released
-        last_g, lst = -1, None
+        appended = 0
+        last_g, stamps, members = -1, None, None
         for b in blocks:
             seq += 1
             b.stamp = seq
-            g = b.queue * 8 + (b.type if tw else 0)
-            if g != last_g:
-                last_g = g
-                lst = groups.get(g)
-                if lst is None:
-                    lst = groups[g] = OrderedDict()
-            lst[b.key] = b
+            if b.queue == ST or not b.n_children:
+                g = b.queue * 8 + (b.type if tw else 0)
+                if g != last_g:  # a request's blocks come in long runs of one group: one lookup per run
+                    last_g = g
+                    lst = self._list(g)
+                    stamps, members = lst.stamps, lst.blocks
+                stamps.append(seq)
+                members.append(b)
+                appended += 1
         self._released = seq
+        self._entries += appended
+        if self._entries > self._compact_at:
+            self._compact()
 
     def on_leaf(self, block: Block) -> None:
-        if self._parked.pop(block.key, None) is not None:
-            g = self._group(block)
-            heapq.heappush(self._returned.setdefault(g, []), (block.stamp, block.key, block))
-            self._dirty.add(g)
+        if block.pins:
+            return  # listed again when released
+        s = block.stamp
+        if block.queue == ST:
+            if s > 0:
+                return  # still in its list, where it is now a leaf
+            s = block.stamp = -s  # parked by a scan: it competes again with its release stamp
+        g = block.queue * 8 + (block.type if self._typed else 0)
+        heap = self._returned.get(g)
+        if heap is None:
+            heap = self._returned[g] = []
+            self._list(g)  # evict's full refresh walks the groups that have a list
+        heapq.heappush(heap, (s, block.key, block))
+        self._dirty.add(g)
 
     def on_hit(self, blocks: list[Block], now: float) -> None:
         qh = self._queue_hits
         for b in blocks:
             qh[b.queue] += 1
+
+    def _compact(self) -> None:
+        """Drop the dead entries of every list and returned-heap; live ones keep their order, so no decision changes.
+
+        Scans drop dead entries from list heads; this bounds the ones behind long-lived heads. It runs once the
+        lists hold twice the entries that survived the last compaction: amortised O(1) per appended entry.
+        """
+        kept = 0
+        for g, lst in self._lists.items():
+            live = lst.live()
+            self._lists[g] = _RecencyList((s for s, _ in live), (b for _, b in live))
+            kept += len(live)
+        for g, heap in self._returned.items():
+            valid = [e for e in heap if e[2].stamp == e[0] and not e[2].pins and not e[2].n_children]
+            heapq.heapify(valid)
+            self._returned[g] = valid
+        self._entries = kept
+        self._compact_at = max(2 * kept, _COMPACT_MIN)
 
     # -- priority and eviction -----------------------------------------------------------------------------------
     def priority(self, b: Block, now: float) -> float:
@@ -241,75 +348,103 @@ class SAECachePolicy(EvictionPolicy):
         dt = now - b.last_access
         if dt < self.min_dt:
             dt = self.min_dt
-        q = b.queue
-        if q == CH or q == AG:
-            mu, sigma = self._ln[q]
-            if self.switches["lognormal"]:
-                p = 0.5 * math.erfc((math.log(dt) - mu) / (sigma * _SQRT2))
-            else:
-                p = math.exp(-dt / self._exp_mean[q])
-        elif q == ST and self.switches["position_decay"]:
-            p = 1.0 - b.pdata ** self._gamma
-        else:
-            p = 1.0
-        return self._alpha[q] * self._w[b.type] * p / dt
+        _, kind, c1, c2, coef = self._constants(b.queue, b.type)
+        return coef * _survival(kind, c1, c2, dt, b.pdata) / dt
 
-    def _candidates(self, g: int, lst: OrderedDict[int, Block], want: int) -> list[Block]:
-        """Up to ``want`` evictable leaves of group ``g`` in release order (parking the inner nodes met)."""
-        out: list[Block] = []
-        parked = self._parked
-        if want == 1:  # the common case: the first leaf from the head
-            while lst:
-                k, b = next(iter(lst.items()))
-                if not b.n_children:
-                    out.append(b)
-                    break
-                del lst[k]
-                parked[k] = b
-        while lst and len(out) < want:
-            for k, b in lst.items():
-                if b.n_children:
-                    del lst[k]
-                    parked[k] = b
-                    break  # the dict changed size: start the scan again from the head
-                out.append(b)
-                if len(out) >= want:
-                    break
-            else:
-                break
+    def _oldest_returned(self, g: int, want: int) -> list[Block]:
+        """The ``want`` oldest evictable blocks of group ``g``'s returned-heap (stale entries dropped)."""
         heap = self._returned.get(g)
         while heap and (heap[0][2].stamp != heap[0][0] or heap[0][2].pins or heap[0][2].n_children):
             heapq.heappop(heap)
-        if heap:
-            if want == 1:
-                out.append(heap[0][2])
-            else:  # a structural group: the oldest ``want`` returned blocks compete too (pop, then push back:
-                # O(want log n), where nsmallest would read the whole heap)
-                taken = []
-                while heap and len(taken) < want:
-                    e = heapq.heappop(heap)
-                    if e[2].stamp == e[0] and not e[2].pins and not e[2].n_children:
-                        taken.append(e)
-                for e in taken:
-                    heapq.heappush(heap, e)
-                out.extend(e[2] for e in taken)
+        if not heap:
+            return []
+        if want == 1:
+            return [heap[0][2]]
+        # pop, then push back: O(want log n), where nsmallest would read the whole heap
+        taken = []
+        while heap and len(taken) < want:
+            e = heapq.heappop(heap)
+            if e[2].stamp == e[0] and not e[2].pins and not e[2].n_children:
+                taken.append(e)
+        for e in taken:
+            heapq.heappush(heap, e)
+        return [e[2] for e in taken]
+
+    def _temporal_candidates(self, g: int) -> list[Block]:
+        """The oldest evictable block of a chat, agent or PE group is the older of its list head and heap top."""
+        out = []
+        lst = self._lists[g]
+        stamps, members = lst.stamps, lst.blocks
+        while stamps:
+            b = members[0]
+            if b.stamp == stamps[0] and not b.pins:  # live, hence a leaf (see on_release)
+                out.append(b)
+                break
+            stamps.popleft()
+            members.popleft()
+        heap = self._returned.get(g)
+        while heap:
+            s, _, b = heap[0]
+            if b.stamp == s and not b.pins and not b.n_children:
+                out.append(b)
+                break
+            heapq.heappop(heap)
         return out
 
-    def _best(self, g: int, now: float) -> tuple[tuple, Block] | None:
-        multi = self.switches["multi_queue"]
+    def _structural_candidates(self, g: int, want: int) -> list[Block]:
+        """Up to ``want`` leaves from the head of a structural list, parking the inner nodes met, plus the
+        ``want`` oldest returned blocks.
+
+        The sample is the one the original scan took: it walked from the head counting leaves and, at an inner
+        node, parked it and restarted from the head, counting the leaves before it once more; it stopped when its
+        count reached ``want``. So after parkings fewer than ``want`` distinct leaves may compete. One walk
+        reproduces it, with ``counted`` the original scan's count. A parked block's stamp is negated (dead entry,
+        and on_leaf knows it from a structural block still listed); the walk drops it and the dead entries.
+        """
+        lst = self._lists[g]
+        stamps, members = lst.stamps, lst.blocks
+        leaves: list[Block] = []
+        counted = 0
+        while stamps:
+            s, b = stamps.popleft(), members.popleft()
+            if b.stamp != s or b.pins:
+                continue
+            if b.n_children:
+                b.stamp = -s
+                if counted + len(leaves) >= want:
+                    break
+                counted += len(leaves)
+                continue
+            leaves.append(b)
+            counted += 1
+            if counted >= want:
+                break
+        stamps.extendleft([b.stamp for b in reversed(leaves)])  # the leaves walked over go back in front
+        members.extendleft(reversed(leaves))
+        return leaves + self._oldest_returned(g, want)
+
+    def _best(self, g: int, now: float) -> tuple[tuple, int, Block] | None:
+        """Group ``g``'s candidate of least (PE flag, priority, release stamp) at ``now``, as (that key, g, it)."""
         q = g >> 3
+        cands = self._structural_candidates(g, self.sample) if q == ST else self._temporal_candidates(g)
+        # Without type weights a group holds every type of its queue, all with w = 1: one set of constants.
+        flag, kind, c1, c2, coef = self._constants(q, g & 7)
+        min_dt = self.min_dt
         best = None
-        for b in self._candidates(g, self._groups[g], self.sample if q == ST else 1):
-            key = (0 if (multi and q == PE) else 1, self.priority(b, now), b.stamp)
+        for b in cands:  # the priority() formula, with the group's constants
+            dt = now - b.last_access
+            if dt < min_dt:
+                dt = min_dt
+            key = (flag, coef * _survival(kind, c1, c2, dt, b.pdata) / dt, b.stamp)
             if best is None or key < best[0]:
-                best = (key, b)
+                best = (key, g, b)
         return best
 
     def evict(self, now: float) -> Block | None:
         cand = self._cand
         if self._cand_now != now:
             cand.clear()
-            for g in self._groups:
+            for g in self._lists:
                 best = self._best(g, now)
                 if best is not None:
                     cand[g] = best
@@ -324,25 +459,15 @@ class SAECachePolicy(EvictionPolicy):
         self._dirty.clear()
         if not cand:
             return None
-        g, best = -1, None
-        for k, c in cand.items():
-            if best is None or c[0] < best:
-                g, best = k, c[0]
-        victim = cand.pop(g)[1]
-        self._remove(victim)
+        _, g, victim = min(cand.values())  # the keys differ (release stamps are unique): blocks are never compared
+        del cand[g]
+        self._occupancy[victim.queue] -= 1
+        victim.stamp = 0  # its list or heap entry is dead now
         self._dirty.add(g)
         return victim
 
-    def _remove(self, b: Block) -> None:
-        lst = self._groups[self._group(b)]
-        if b.key in lst:
-            del lst[b.key]
-        # else it came from its group's returned-heap, where the cleared stamp makes its entry stale
-        self._occupancy[b.queue] -= 1
-        b.stamp = 0
-
     def _evictable(self) -> list[Block]:
-        listed = [b for lst in self._groups.values() for b in lst.values() if not b.n_children]
+        listed = [b for lst in self._lists.values() for _, b in lst.live() if not b.n_children]
         returned = [e[2] for heap in self._returned.values() for e in heap
                     if e[2].stamp == e[0] and not e[2].pins and not e[2].n_children]
         return listed + returned
@@ -370,24 +495,64 @@ class SAECachePolicy(EvictionPolicy):
                 "params": self.params}
 
     def check_invariants(self) -> None:
-        unpinned = {k for k, b in self.cache.blocks.items() if b.pins == 0}
-        listed: set[int] = set(self._parked)
-        for g, lst in self._groups.items():
-            for k, b in lst.items():
-                if self._group(b) != g:
-                    raise RuntimeError(f"saecache: {b!r} listed in group {g}")
-                listed.add(k)
-        for heap in self._returned.values():
-            listed.update(e[1] for e in heap if e[2].stamp == e[0] and not e[2].pins)
-        if listed != unpinned:
-            raise RuntimeError("saecache: recency lists differ from the set of unpinned blocks")
-        if any(b.n_children == 0 for b in self._parked.values()):
-            raise RuntimeError("saecache: a parked block is a leaf")
+        """Every unpinned block is in exactly one place: live in its group's list, valid in its group's
+        returned-heap, or parked (an inner node: a structural one with its stamp negated by a scan, any other one
+        unlisted since its release)."""
+        blocks = self.cache.blocks
+        placed: set[int] = set()
+
+        def place(g: int, b: Block, where: str) -> None:
+            if self._group(b) != g or blocks.get(b.key) is not b:
+                raise RuntimeError(f"saecache: {b!r} in the {where} of group {g}")
+            if b.key in placed:
+                raise RuntimeError(f"saecache: {b!r} is listed twice")
+            placed.add(b.key)
+
+        for g, lst in self._lists.items():
+            if len(lst.stamps) != len(lst.blocks):
+                raise RuntimeError(f"saecache: the list of group {g} lost an entry's stamp or block")
+            for _, b in lst.live():
+                if b.queue != ST and b.n_children:
+                    raise RuntimeError(f"saecache: {b!r} is listed but not a leaf")
+                place(g, b, "list")
+        for g, heap in self._returned.items():
+            for s, _, b in heap:
+                if b.stamp == s and not b.pins and not b.n_children:
+                    place(g, b, "returned-heap")
+        stamps: set[int] = set()
+        for k, b in blocks.items():
+            if b.pins:
+                continue
+            if k not in placed:
+                if not b.n_children:
+                    raise RuntimeError(f"saecache: evictable {b!r} is in no list")
+                if (b.stamp < 0) != (b.queue == ST):
+                    raise RuntimeError(f"saecache: parked {b!r} has stamp {b.stamp}")
+            if not b.stamp or abs(b.stamp) in stamps:
+                raise RuntimeError(f"saecache: unpinned {b!r} has stamp {b.stamp}, not a unique release stamp")
+            stamps.add(abs(b.stamp))
         occ = [0] * N_QUEUES
-        for b in self.cache.blocks.values():
+        for b in blocks.values():
             occ[b.queue] += 1
         if occ != self._occupancy:
             raise RuntimeError(f"saecache: occupancy {self._occupancy} != {occ}")
+
+
+def _survival(kind: int, c1: float, c2: float, dt: float, x: float | None) -> float:
+    """``p_q(b)`` after ``dt`` idle seconds, from a group's constants (see ``SAECachePolicy._constants``)."""
+    if kind == _LOGNORMAL:  # c1 = mu, c2 = sigma * sqrt(2)
+        return 0.5 * math.erfc((math.log(dt) - c1) / c2)
+    if kind == _EXPONENTIAL:  # c1 = the mean
+        return math.exp(-dt / c1)
+    if kind == _POSITION:  # c1 = gamma, x = the block's relative offset
+        return 1.0 - x ** c1
+    return 1.0
+
+
+def _any_per_request(flags: np.ndarray, offsets: np.ndarray) -> list[bool]:
+    """Whether any of each request's blocks (CSR ``offsets``) has its flag set."""
+    counts = np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])
+    return (counts[offsets[1:]] > counts[offsets[:-1]]).tolist()
 
 
 def gap_fit(stats: list[float]) -> tuple[float, float] | None:
