@@ -127,7 +127,7 @@ class SAECachePolicy(EvictionPolicy):
         self._compact_at = _COMPACT_MIN
         # Best candidate per group, valid while no block is acquired or released and the clock stands still: the
         # evictions of one insertion run reuse it and refresh only the groups they touched.
-        self._cand: dict[int, tuple[tuple, int, Block]] = {}
+        self._cand: dict[int, tuple[int, float, int, int, Block]] = {}  # see _best
         self._cand_now: float | None = None
         self._dirty: set[int] = set()
         self._released = 0
@@ -370,27 +370,6 @@ class SAECachePolicy(EvictionPolicy):
             heapq.heappush(heap, e)
         return [e[2] for e in taken]
 
-    def _temporal_candidates(self, g: int) -> list[Block]:
-        """The oldest evictable block of a chat, agent or PE group is the older of its list head and heap top."""
-        out = []
-        lst = self._lists[g]
-        stamps, members = lst.stamps, lst.blocks
-        while stamps:
-            b = members[0]
-            if b.stamp == stamps[0] and not b.pins:  # live, hence a leaf (see on_release)
-                out.append(b)
-                break
-            stamps.popleft()
-            members.popleft()
-        heap = self._returned.get(g)
-        while heap:
-            s, _, b = heap[0]
-            if b.stamp == s and not b.pins and not b.n_children:
-                out.append(b)
-                break
-            heapq.heappop(heap)
-        return out
-
     def _structural_candidates(self, g: int, want: int) -> list[Block]:
         """Up to ``want`` leaves from the head of a structural list, parking the inner nodes met, plus the
         ``want`` oldest returned blocks.
@@ -423,21 +402,44 @@ class SAECachePolicy(EvictionPolicy):
         members.extendleft(reversed(leaves))
         return leaves + self._oldest_returned(g, want)
 
-    def _best(self, g: int, now: float) -> tuple[tuple, int, Block] | None:
-        """Group ``g``'s candidate of least (PE flag, priority, release stamp) at ``now``, as (that key, g, it)."""
-        q = g >> 3
-        cands = self._structural_candidates(g, self.sample) if q == ST else self._temporal_candidates(g)
+    def _best(self, g: int, now: float) -> tuple[int, float, int, int, Block] | None:
+        """Group ``g``'s candidate of least (PE flag, priority, release stamp) at ``now``, as that key + (g, it).
+
+        One flat tuple: ``evict`` takes the least over the groups, and release stamps are unique, so tuples
+        compare on the key alone (the block is never compared)."""
         # Without type weights a group holds every type of its queue, all with w = 1: one set of constants.
-        flag, kind, c1, c2, coef = self._constants(q, g & 7)
+        flag, kind, c1, c2, coef = self._consts.get(g) or self._constants(g >> 3, g & 7)
+        if g >> 3 == ST:
+            cands = self._structural_candidates(g, self.sample)
+        else:
+            # A chat, agent or PE group's oldest evictable block is the older of its list head and its heap top
+            # (see on_release); both compete, as the first leaf of a list and its heap top always did.
+            cands = []
+            lst = self._lists[g]
+            stamps, members = lst.stamps, lst.blocks
+            while stamps:
+                b = members[0]
+                if b.stamp == stamps[0] and not b.pins:  # live, hence a leaf
+                    cands.append(b)
+                    break
+                stamps.popleft()
+                members.popleft()
+            heap = self._returned.get(g)
+            while heap:
+                s, _, b = heap[0]
+                if b.stamp == s and not b.pins and not b.n_children:
+                    cands.append(b)
+                    break
+                heapq.heappop(heap)
         min_dt = self.min_dt
         best = None
         for b in cands:  # the priority() formula, with the group's constants
             dt = now - b.last_access
             if dt < min_dt:
                 dt = min_dt
-            key = (flag, coef * _survival(kind, c1, c2, dt, b.pdata) / dt, b.stamp)
-            if best is None or key < best[0]:
-                best = (key, g, b)
+            key = (flag, coef * _survival(kind, c1, c2, dt, b.pdata) / dt, b.stamp, g, b)
+            if best is None or key < best:
+                best = key
         return best
 
     def evict(self, now: float) -> Block | None:
@@ -459,7 +461,7 @@ class SAECachePolicy(EvictionPolicy):
         self._dirty.clear()
         if not cand:
             return None
-        _, g, victim = min(cand.values())  # the keys differ (release stamps are unique): blocks are never compared
+        *_, g, victim = min(cand.values())
         del cand[g]
         self._occupancy[victim.queue] -= 1
         victim.stamp = 0  # its list or heap entry is dead now
