@@ -439,11 +439,14 @@ def run_dir_for(config: ExperimentConfig, run_id: str | None = None) -> Path:
     return Path(config.output) / config.name / (run_id or config.results_key())
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def _write_json(path: Path, obj: Any) -> str:
+    """Write ``obj`` as JSON atomically; returns the text (its parse is what a resumed run will read)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=_json_default, allow_nan=False) + "\n")
+    text = json.dumps(obj, indent=1, default=_json_default, allow_nan=False) + "\n"
+    tmp.write_text(text)
     os.replace(tmp, path)  # atomic: a reader (or a resumed run) sees the whole file or none
+    return text
 
 
 def _json_default(o: Any) -> Any:
@@ -479,14 +482,12 @@ def load_results(run_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _run_one(runner: CellRunner, task: dict[str, Any], trace: Trace) -> dict[str, Any]:
-    """A cell in a worker (or the driver): the runner's result with the cell description attached."""
-    try:  # one thread per worker: cells run side by side, one per CPU
-        import torch
-
-        torch.set_num_threads(1)
-    except ImportError:
-        pass
+def _run_one(runner: CellRunner, task: dict[str, Any], trace: Trace, worker: bool = False) -> dict[str, Any]:
+    """A cell in a Ray worker or the driver: the runner's result with the cell description attached."""
+    if worker:  # one thread per worker: cells run side by side, one per CPU (torch reads the variable at import)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(1)
     result = runner(task, trace)
     return _finite({**result, "cell": task})
 
@@ -523,9 +524,9 @@ def run_experiment(config: ExperimentConfig, runner: CellRunner, *, serial: bool
     failures: dict[str, dict[str, Any]] = {}
 
     def finished(cell: Cell, result: dict[str, Any]) -> None:
-        _write_json(run_dir / "cells" / f"{cell.id}.json", result)
-        results[cell.id] = result
-        tracker.log_cell(cell, result)
+        # Kept as written (string dict keys, lists): fresh, resumed, serial and Ray results compare equal.
+        results[cell.id] = json.loads(_write_json(run_dir / "cells" / f"{cell.id}.json", result))
+        tracker.log_cell(cell, results[cell.id])
 
     try:
         if todo:
@@ -622,7 +623,7 @@ def _run_on_ray(config: ExperimentConfig, runner: CellRunner, todo: list[Cell], 
         task_fn = ray.remote(num_cpus=1, max_retries=config.ray.retries, retry_exceptions=True)(_run_one)
         runner_ref = ray.put(runner)
         trace_refs = {key: ray.put(trace) for key, trace in traces.items()}  # once each, shared by its cells
-        pending = {task_fn.remote(runner_ref, cell_task(config, cell), trace_refs[cell.trace_key]): cell
+        pending = {task_fn.remote(runner_ref, cell_task(config, cell), trace_refs[cell.trace_key], True): cell
                    for cell in todo}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -51,6 +52,8 @@ class Tracker:
     # -- the W&B module, imported once and on first use (it costs ~1 s)
     def _module(self) -> Any:
         if self._wandb is None:
+            # W&B mistakes our ``agents`` package for the OpenAI Agents SDK and advertises Weave on every init.
+            os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
             import wandb
 
             self._wandb = wandb

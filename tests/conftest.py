@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 
 from sae_env.trace import AppType, Trace, chain_requests
@@ -110,3 +112,14 @@ def prefix_traces(draw, max_requests: int = 24, max_prompt: int = 6, max_output:
     else:
         times, out_extra = None, None
     return build_trace(prompts, outs, times, tails=tails, out_extra=out_extra)
+
+
+@pytest.fixture
+def wandb_dirs(tmp_path, monkeypatch) -> dict[str, str]:
+    """W&B's folders under the test's tmp_path (nothing lands in the home folder); returns the variables set."""
+    dirs = {name: str(tmp_path / "wandb-home" / name.lower()) for name in
+            ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR")}
+    for name, path in dirs.items():
+        Path(path).mkdir(parents=True, exist_ok=True)
+        monkeypatch.setenv(name, path)
+    return dirs

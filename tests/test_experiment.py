@@ -1,0 +1,352 @@
+"""Tests of the experiment runner (sae_env/experiment.py, report.py, tracking.py; the CLI's run command).
+
+Real components: a real local Ray cluster (private, as sae_env.ray_local starts it), real W&B offline runs read back
+from their .wandb files, real traces. Cells here are small synthetic traces (a cell takes milliseconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agents import CellRunner
+from agents.cli import main as cli_main
+from sae_env.experiment import ConfigError, expand, load_config, load_results, run_experiment
+from sae_env.tracking import offline_run_files, read_offline_run
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+RUNNER = CellRunner()
+
+# Two small workloads: a generated one with phases (reseeded by the cell seed) and a real one (tau-bench is big, so
+# the real one is the 22-request Bailian excerpt).
+SMALL = {
+    "name": "small",
+    "workloads": [{"name": "tiny", "trace": {"source": "synthetic", "preset": "tiny"}},
+                  {"name": "bailian", "trace": "bailian"}],
+    "capacities": [0.1, 0.3],
+    "agents": ["lru", "saecache", "belady"],
+    "serving": "instant",
+    "window": 10,
+    "seeds": [0, 1],
+    "wandb": {"mode": "disabled"},
+}
+
+
+def small(tmp_path: Path, **changes) -> dict:
+    return {**SMALL, "output": str(tmp_path / "runs"), **changes}
+
+
+def strip_timing(results: dict) -> dict:
+    return {k: {kk: vv for kk, vv in v.items() if kk != "timing"} for k, v in results.items()}
+
+
+def first_difference(a: object, b: object, path: str = "") -> str | None:
+    """The path of the first value where two result trees differ (for readable failures), None if equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            d = first_difference(a.get(k), b.get(k), f"{path}/{k}")
+            if d:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            d = first_difference(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return None
+    return None if a == b else f"{path}: {a!r} != {b!r}"
+
+
+# -- config validation ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"workload": []}, "unknown key(s) ['workload']; valid keys: name, description, workloads"),
+    ({"agents": ["lru", "nosuch"]}, "agents[1]: unknown agent 'nosuch'; shorthands:"),
+    ({"agents": [{"policy": "nope"}]}, "agents[0].policy: unknown policy 'nope'; valid policies:"),
+    ({"agents": [{"policy": "lru", "agent": "magic"}]}, "agents[0].agent: unknown agent kind 'magic'; valid: fixed"),
+    ({"agents": [{"policy": "lru", "colour": 1}]}, "agents[0]: unknown key(s) ['colour']"),
+    ({"agents": ["lru", "lru"]}, "agents: duplicate name(s) ['lru']"),
+    ({"capacities": [0.1, -2]}, "capacities: -2 is not a capacity"),
+    ({"capacities": []}, "capacities: must not be empty"),
+    ({"seeds": [0, 0]}, "seeds: duplicates"),
+    ({"seeds": [-1]}, "seeds: -1 is not an integer >= 0"),
+    ({"serving": {"model": "gpt-9@tpu"}}, "serving.model:"),
+    ({"serving": {"model": "instant", "loads": [0.8]}}, "serving.loads: a load needs a timed model"),
+    ({"serving": {"model": "qwen2.5-1.5b@a40", "loads": [0]}}, "serving.loads: 0 is not a utilisation"),
+    ({"reward": "speed"}, "reward: 'speed' is not one of hit_rate"),
+    ({"wandb": {"mode": "cloud"}}, "wandb.mode: 'cloud' is not one of offline, online, disabled"),
+    ({"ray": {"num_cpus": 0}}, "ray.num_cpus: expected an integer >= 1"),
+    ({"ray": {"retry": 3}}, "ray: unknown key(s) ['retry']; valid keys: enabled, address, num_cpus, retries"),
+    ({"workloads": [{"name": "x", "trace": "bailian", "reseed": True}]}, "workloads[0].reseed: only generated"),
+    ({"workloads": [{"name": "x y", "trace": "bailian"}]}, "workloads[0].name: 'x y' is not a valid name"),
+    ({"name": None}, "name: None is not a valid name"),
+])
+def test_config_errors_name_the_key(tmp_path, change, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(small(tmp_path, **change), RUNNER)
+    assert message in str(e.value)
+
+
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match="malformed YAML"):
+        load_config(bad, RUNNER)
+    with pytest.raises(FileNotFoundError):
+        load_config(tmp_path / "missing.yaml", RUNNER)
+    with pytest.raises(ConfigError, match="PPO training config"):
+        load_config(ROOT / "configs" / "ppo.yaml", RUNNER)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    if path.name == "ppo.yaml":
+        pytest.skip("a PPO training config (train.py ppo), checked in test_ppo.py")
+    config = load_config(path, RUNNER)
+    cells = expand(config)
+    assert len({c.id for c in cells}) == len(cells) > 0
+
+
+def test_expansion_order_ids_and_reseeding(tmp_path):
+    config = load_config(small(tmp_path), RUNNER)
+    cells = expand(config)
+    assert len(cells) == 2 * 2 * 1 * 2 * 3
+    assert [c.agent for c in cells[:3]] == ["lru", "saecache", "belady"]  # agents of a group side by side
+    assert len({c.id for c in cells}) == len(cells)
+    tiny, bailian = config.workloads
+    assert tiny.reseed and not bailian.reseed
+    assert tiny.spec_for(7)["seed"] == 7 and bailian.spec_for(7) == "bailian"
+    saecache = config.agents[1]
+    assert (saecache.policy, saecache.agent) == ("saecache", "sae_online")  # the adaptive method
+    # The run folder is a hash of what decides the results, not of where they run.
+    other = load_config(small(tmp_path, ray={"num_cpus": 1}, wandb={"mode": "offline"}), RUNNER)
+    assert other.results_key() == config.results_key()
+    assert load_config(small(tmp_path, window=20), RUNNER).results_key() != config.results_key()
+
+
+# -- a serial run: files, report, plots ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def serial_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serial")
+    config = load_config(small(tmp), RUNNER)
+    return run_experiment(config, RUNNER, serial=True, progress=False, log=lambda m: None)
+
+
+def test_serial_run_writes_every_output(serial_run):
+    run = serial_run
+    assert run.ok and len(run.results) == len(run.cells) == 24
+    out = run.run_dir
+    for name in ("config.yaml", "config.json", "summary.csv", "report.md"):
+        assert (out / name).stat().st_size > 0
+    assert len(list((out / "cells").glob("*.json"))) == 24
+    rows = (out / "summary.csv").read_text().splitlines()
+    assert len(rows) == 25 and rows[0].startswith("cell,workload,capacity,capacity_blocks")
+    plots = sorted(p.name for p in (out / "plots").glob("*.png"))
+    assert {"hit_rate_vs_capacity.png", "hit_rate_over_time.png"} <= set(plots)
+    assert any(p.startswith("params_") and p.endswith("_saecache.png") for p in plots)  # it adapts
+    for p in (out / "plots").glob("*.png"):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    report = (out / "report.md").read_text()
+    assert "## tiny, capacity 0.1" in report and "| belady | " in report and "gap to Belady" in report
+    assert "hit %" in report.split("## tiny")[1].split("##")[0].split("\n")[2]  # per-phase column (tiny has one)
+
+
+def test_results_are_consistent(serial_run):
+    by_cell = serial_run.results
+    for cid, r in by_cell.items():
+        s = r["summary"]
+        assert sum(h["hit_tokens"] for h in r["history"]) == s["hit_tokens"]
+        assert sum(h["requests"] for h in r["history"]) == s["requests"] == s["trace_requests"]
+        assert r["cell"]["id"] == cid
+    # Belady bounds every online agent of its group; the gap column says by how much.
+    for cid, r in by_cell.items():
+        oracle = by_cell[cid.replace(f"__{r['cell']['agent']['name']}__", "__belady__")]
+        assert r["summary"]["hit_tokens"] <= oracle["summary"]["hit_tokens"]
+    # Reseeding: the tiny workload differs across seeds; the real one does not.
+    assert (by_cell["tiny__cap0.1__lru__s0"]["summary"]["prompt_tokens"]
+            != by_cell["tiny__cap0.1__lru__s1"]["summary"]["prompt_tokens"])
+    assert by_cell["bailian__cap0.1__lru__s0"]["summary"] == by_cell["bailian__cap0.1__lru__s1"]["summary"]
+
+
+def test_rerun_resumes_everything(serial_run):
+    again = run_experiment(serial_run.config, RUNNER, serial=True, progress=False, log=lambda m: None)
+    assert again.resumed == 24 and again.results == serial_run.results
+
+
+# -- resume after a real kill --------------------------------------------------------------------------------------
+
+def test_resume_after_kill(tmp_path):
+    """Kill a serial run (SIGKILL) once some cells are written, rerun the same command: same summary, no duplicates."""
+    config = small(tmp_path, capacities=[0.05, 0.1, 0.2, 0.3], seeds=[0, 1, 2])
+    path = tmp_path / "exp.yaml"
+    path.write_text(json.dumps(config))
+    cmd = [sys.executable, str(ROOT / "train.py"), "run", "--config", str(path), "--serial", "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cells_dir = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        dirs = list((tmp_path / "runs" / "small").glob("*/cells"))
+        if dirs and len(list(dirs[0].glob("*.json"))) >= 5:
+            cells_dir = dirs[0]
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert cells_dir is not None, "the run wrote no cells"
+    written = len(list(cells_dir.glob("*.json")))
+    assert 5 <= written < 72, f"killed too late to test resuming ({written} cells)"
+    rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    # The kill may land between a cell's rename and the poll: at least the cells counted were kept.
+    kept = int(rerun.stderr.split("72 cells (")[1].split(" already done")[0])
+    assert written <= kept < 72
+    next_run_dir = cells_dir.parent
+    assert len(list(cells_dir.glob("*.json"))) == 72
+    # Same numbers as an uninterrupted run.
+    fresh = run_experiment(load_config({**config, "output": str(tmp_path / "fresh")}, RUNNER), RUNNER, serial=True,
+                           progress=False, log=lambda m: None)
+    assert first_difference(strip_timing(load_results(next_run_dir)), strip_timing(fresh.results)) is None
+    assert _summary_without_timing(next_run_dir) == _summary_without_timing(fresh.run_dir)
+
+
+def _summary_without_timing(run_dir: Path) -> list[str]:
+    return [",".join(line.split(",")[:-1]) for line in (run_dir / "summary.csv").read_text().splitlines()]
+
+
+# -- Ray: identical to serial; a crashing cell is reported and the rest finish ------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_session():
+    from sae_env.ray_local import ray_cluster
+
+    old = os.environ.get("PYTHONPATH")
+    # Workers import the crashing agent by name: its folder goes on the path the cluster's processes inherit.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), str(ROOT), old) if p)
+    try:
+        with ray_cluster(num_cpus=2) as ray:
+            yield ray
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def test_ray_equals_serial(ray_session, serial_run, tmp_path):
+    config = load_config(small(tmp_path), RUNNER)
+    on_ray = run_experiment(config, RUNNER, serial=False, progress=False, log=lambda m: None)
+    assert on_ray.ok and len(on_ray.results) == 24
+    assert first_difference(strip_timing(on_ray.results), strip_timing(serial_run.results)) is None
+
+
+def test_crashing_cell_is_reported_and_others_finish(ray_session, tmp_path):
+    config = small(tmp_path, agents=["lru", {"name": "crasher", "policy": "lru", "agent": "crash_agent:CrashingAgent"}],
+                   seeds=[0], ray={"retries": 1})
+    messages: list[str] = []
+    run = run_experiment(load_config(config, RUNNER), RUNNER, progress=False, log=messages.append)
+    crashed = {c.id for c in run.cells if c.agent == "crasher"}
+    assert set(run.failures) == crashed and len(crashed) == 4
+    assert set(run.results) == {c.id for c in run.cells} - crashed
+    f = run.failures[sorted(crashed)[0]]
+    assert f["attempts"] == 2 and "deliberate crash" in f["error"]
+    assert json.loads((run.run_dir / "failures.json").read_text()).keys() == crashed
+    assert "## Failed cells" in (run.run_dir / "report.md").read_text()
+    assert any("FAILED after 2 attempt(s)" in m for m in messages)
+    # Serially too, with the same report.
+    serial = run_experiment(load_config({**config, "output": str(tmp_path / "s")}, RUNNER), RUNNER, serial=True,
+                            progress=False, log=lambda m: None)
+    assert set(serial.failures) == crashed and strip_timing(serial.results) == strip_timing(run.results)
+
+
+# -- W&B offline: runs exist and hold what was logged --------------------------------------------------------------
+
+def test_wandb_offline_runs_hold_the_metrics(tmp_path, wandb_dirs):
+    config = load_config(small(tmp_path, workloads=[SMALL["workloads"][0]], capacities=[0.2], seeds=[0],
+                               wandb={"mode": "offline", "project": "test-project"}), RUNNER)
+    run = run_experiment(config, RUNNER, serial=True, progress=False, log=lambda m: None)
+    files = offline_run_files(run.run_dir)
+    assert len(files) == len(run.cells) + 1  # one per cell and the summary run
+    runs = {d["run"]["name"]: d for d in map(read_offline_run, files)}
+    summary_run = runs.pop("small-summary")
+    assert summary_run["run"]["job_type"] == "summary"
+    assert any(k.startswith("cells/") for k in summary_run["history"][0])  # the wandb.Table
+    assert any(k.startswith("plots/hit_rate_vs_capacity") for h in summary_run["history"] for k in h)
+    for cell in run.cells:
+        logged, result = runs[cell.id], run.results[cell.id]
+        assert logged["run"]["group"] == "small" and logged["run"]["job_type"] == cell.agent
+        assert logged["run"]["project"] == "test-project"
+        assert logged["config"]["workload"] == "tiny"
+        assert logged["metrics"]["window/*"] == "sim_time_s"
+        assert len(logged["history"]) == len(result["history"])
+        for got, want in zip(logged["history"], result["history"], strict=True):
+            assert got["sim_time_s"] == want["t_end"]
+            assert got["window/token_hit_rate"] == pytest.approx(want["token_hit_rate"])
+            assert got["phase"] == want["phase"]
+        assert [h["phase"] for h in logged["history"]][0] == 0  # the trace's one phase, then -1 past its end
+        assert logged["summary"]["final/token_hit_rate"] == pytest.approx(result["summary"]["token_hit_rate"])
+    adaptive = runs["tiny__cap0.2__saecache__s0"]["history"]
+    assert {"params/alpha_st", "params/w_reasoning", "params/gamma"} <= set(adaptive[0])
+    assert len({h["params/gamma"] for h in adaptive}) > 1  # the parameter trajectory moves
+
+
+def test_wandb_failure_warns_once_and_the_run_finishes(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if W&B were not installed
+    messages: list[str] = []
+    config = load_config(small(tmp_path, seeds=[0], capacities=[0.2], wandb={"mode": "offline"}), RUNNER)
+    run = run_experiment(config, RUNNER, serial=True, progress=False, log=messages.append)
+    assert run.ok and len(run.results) == len(run.cells)
+    warnings = [m for m in messages if "W&B" in m]
+    assert len(warnings) == 1 and "local results" in warnings[0]
+
+
+# -- the command line ----------------------------------------------------------------------------------------------
+
+def test_cli_run_exit_codes(tmp_path, capsys):
+    path = tmp_path / "exp.yaml"
+    path.write_text(json.dumps(small(tmp_path, seeds=[0], capacities=[0.2])))
+    assert cli_main(["run", "--config", str(path), "--serial", "--no-progress", "--no-wandb"]) == 0
+    out = capsys.readouterr()
+    assert "| saecache |" in out.out and "6/6 cells" in out.err
+    # --set overrides a key; a bad config is exit 2 with the key named.
+    assert cli_main(["--config", str(path), "--serial", "--no-wandb", "--set", "seeds=[3]", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert len(list((tmp_path / "runs" / "small").glob("*/cells/*__s3.json"))) == 6
+    path.write_text(json.dumps(small(tmp_path, agents=["lru", "nosuch"])))
+    assert cli_main(["run", "--config", str(path), "--serial"]) == 2
+    assert "agents[1]: unknown agent 'nosuch'" in capsys.readouterr().err
+    assert cli_main(["run", "--config", str(tmp_path / "none.yaml")]) == 2
+
+
+def test_cli_failed_cell_exit_code(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    path = tmp_path / "exp.yaml"
+    path.write_text(json.dumps(small(tmp_path, seeds=[0], capacities=[0.2], workloads=[SMALL["workloads"][0]],
+                                     agents=["lru", {"name": "crasher", "policy": "lru",
+                                                     "agent": "crash_agent:CrashingAgent"}])))
+    assert cli_main(["run", "--config", str(path), "--serial", "--no-wandb", "--no-progress"]) == 1
+    assert "1 cell(s) failed" in capsys.readouterr().err
+
+
+# -- the quickstart, end to end, as the README runs it -------------------------------------------------------------
+
+def test_quickstart_end_to_end(tmp_path, wandb_dirs):
+    """`python train.py` (the default config: Ray, W&B offline) finishes with a table, plots and W&B runs."""
+    env = {**os.environ, **wandb_dirs, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "train.py", "--output", str(tmp_path / "runs"), "--no-progress"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| saecache |" in proc.stdout and "| belady |" in proc.stdout
+    (run_dir,) = (tmp_path / "runs" / "quickstart").iterdir()
+    assert len(list((run_dir / "cells").glob("*.json"))) == 28
+    assert len(list((run_dir / "plots").glob("*.png"))) >= 4
+    assert len(offline_run_files(run_dir)) == 29
