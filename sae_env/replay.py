@@ -12,6 +12,12 @@ One deterministic event loop, window by window (``window_requests`` requests, or
 In ``instant`` mode no time passes: each request completes at its arrival (outputs inserted, blocks unpinned) before
 the next one arrives; TTFT is not defined. Time is the trace clock only; ``wall_s`` (decision overhead) is measured
 separately and never enters the statistics. No gymnasium here: :mod:`sae_env.env` adapts this loop.
+
+Two engines run the instant loop with identical results: the generic Python one (any policy, any hooks) and a
+compiled one for the parameterless baselines ``lru``, ``lfu`` and ``fifo`` (:mod:`sae_env.fast_engine`, needs
+numba). ``engine="auto"`` (the default) takes the compiled one whenever it applies; ``"python"`` and ``"fast"``
+force one. While the compiled engine holds the cache state, reading :attr:`Replay.cache` hands the state over to
+the Python objects and the replay continues on the Python engine (so whatever the caller does with it counts).
 """
 
 from __future__ import annotations
@@ -24,16 +30,19 @@ from typing import Any
 
 import numpy as np
 
+from sae_env import fast_engine
 from sae_env.cache import PrefixCache
 from sae_env.metrics import OFFSET_BUCKETS, WindowStats, offset_bucket_edges
 from sae_env.policies.base import EvictionPolicy
 from sae_env.trace import N_APP_TYPES, N_TOKEN_TYPES, Trace
 
-__all__ = ["Replay", "WindowCallback", "replay"]
+__all__ = ["ENGINES", "Replay", "WindowCallback", "replay"]
 
 WindowCallback = Callable[[WindowStats, "Replay"], None]
 
 _EDGES = offset_bucket_edges()
+
+ENGINES = ("auto", "python", "fast")
 
 
 def _overrides(policy: EvictionPolicy, name: str) -> bool:
@@ -50,12 +59,16 @@ class Replay:
         window_requests: requests per window (default 1000 when neither window is given).
         window_seconds: trace seconds per window (windows with no arrival are skipped).
         callbacks: called as ``callback(stats, replay)`` after every window (online learners use this).
-        check: call ``cache.check_invariants()`` after every request (slow; for tests).
+        check: call ``cache.check_invariants()`` after every request (slow; for tests; implies the Python engine).
+        engine: ``"auto"`` (compiled engine when it applies), ``"python"`` or ``"fast"`` (ValueError saying why if
+            it cannot run this replay). :attr:`engine` tells which one runs.
     """
 
     def __init__(self, trace: Trace, cache: PrefixCache, server: Any = None, *, window_requests: int | None = None,
                  window_seconds: float | None = None, callbacks: list[WindowCallback] | tuple = (),
-                 check: bool = False):
+                 check: bool = False, engine: str = "auto"):
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; valid engines: {', '.join(ENGINES)}")
         if window_requests is not None and window_seconds is not None:
             raise ValueError("give window_requests or window_seconds, not both")
         if window_requests is None and window_seconds is None:
@@ -65,7 +78,7 @@ class Replay:
         if window_seconds is not None and not (window_seconds > 0 and math.isfinite(window_seconds)):
             raise ValueError(f"window_seconds must be positive, got {window_seconds}")
         self.trace = trace
-        self.cache = cache
+        self._cache = cache
         self.policy = cache.policy
         self.server = server if server is not None and getattr(server, "timed", False) else None
         self.window_requests = None if window_requests is None else int(window_requests)
@@ -83,8 +96,38 @@ class Replay:
         self._has_ctx = _overrides(self.policy, "on_request")
         self._has_done = _overrides(self.policy, "on_complete")
         self.policy.bind(trace)
+        self._fast: fast_engine.FastEngine | None = None
+        if engine != "python":
+            why = self._why_not_fast()
+            if why is None:
+                self._fast = fast_engine.FastEngine.build(trace, cache)
+                if self._fast is None:
+                    why = "a request of the trace names one key twice"
+            if why is not None and engine == "fast":
+                raise ValueError(f"engine='fast' cannot run this replay: {why}")
+
+    def _why_not_fast(self) -> str | None:
+        if self.server is not None:
+            return "the compiled engine serves instant mode only (this replay has a timed server)"
+        if self.check:
+            return "check=True needs the Python cache after every request"
+        return fast_engine.unsupported_reason(self._cache)
 
     # -- public --------------------------------------------------------------------------------------------
+    @property
+    def engine(self) -> str:
+        """The engine that replays the next window: ``"fast"`` (compiled) or ``"python"``."""
+        return "fast" if self._fast is not None else "python"
+
+    @property
+    def cache(self) -> PrefixCache:
+        """The cache, with its current state: if the compiled engine holds the state, it is handed over to the
+        Python objects here and the rest of the replay runs on the Python engine."""
+        if self._fast is not None:
+            self._fast.hand_over(self._cache)
+            self._fast = None
+        return self._cache
+
     @property
     def done(self) -> bool:
         return self.next_request >= len(self.trace)
@@ -113,16 +156,28 @@ class Replay:
             raise RuntimeError("the replay is finished; build a new one to start again")
         a = self.next_request
         b = self._window_end(a)
-        cache = self.cache
-        cache.reset_counters()
         self.policy.reset_window()
         start = time.perf_counter()
-        hits = self._replay_timed(a, b) if self.server is not None else self._replay_instant(a, b)
+        if self._fast is not None:
+            fast = self._fast
+            hits, cnt = fast.run_window(a, b)  # an array: _stats turns it into the list WindowStats keeps
+            n = len(fast)
+            counts = (int(cnt[0]), int(cnt[1]), int(cnt[2]), cnt[3:].tolist(), fast.occupancy_by_type, n)
+            # The three supported policies hold everything in queue 0 (EvictionPolicy.occupancy_by_queue).
+            by_queue = {0: n} if n else {}
+        else:
+            cache = self._cache
+            cache.reset_counters()
+            hits = self._replay_timed(a, b) if self.server is not None else self._replay_instant(a, b)
         self.next_request = b
         if self.done and self.server is not None:
             self._finish()
         self.wall_s += time.perf_counter() - start
-        stats = self._stats(a, b, hits)
+        if self._fast is None:
+            counts = (cache.evictions, cache.bypasses, cache.inserted, list(cache.miss_after_eviction),
+                      list(cache.occupancy_by_type), len(cache))
+            by_queue = self.policy.occupancy_by_queue()
+        stats = self._stats(a, b, hits, counts, by_queue)
         self.windows.append(stats)
         for cb in self.callbacks:
             cb(stats, self)
@@ -147,7 +202,7 @@ class Replay:
 
     def _replay_instant(self, a: int, b: int) -> list[int]:
         po, pk, pt, oo, ok, ot, times = self._slices(a, b)
-        trace, cache, policy, check = self.trace, self.cache, self.policy, self.check
+        trace, cache, policy, check = self.trace, self._cache, self.policy, self.check
         serve = cache.serve
         on_request = policy.on_request if self._has_ctx else None
         on_complete = policy.on_complete if self._has_done else None
@@ -174,7 +229,7 @@ class Replay:
 
     def _replay_timed(self, a: int, b: int) -> list[int]:
         po, pk, pt, oo, ok, ot, times = self._slices(a, b)
-        trace, cache, policy, server = self.trace, self.cache, self.policy, self.server
+        trace, cache, policy, server = self.trace, self._cache, self.policy, self.server
         prompt_tokens = trace.prompt_tokens[a:b].tolist()
         bs = self.block_size
         hits = [0] * (b - a)
@@ -219,7 +274,7 @@ class Replay:
         path = self._inflight.pop(i)
         oa, ob = trace.output_offsets[i], trace.output_offsets[i + 1]
         n_prompt = int(trace.prompt_offsets[i + 1] - trace.prompt_offsets[i])
-        self.cache.complete(path, n_prompt, trace.output_keys[oa:ob].tolist(), trace.output_types[oa:ob].tolist(),
+        self._cache.complete(path, n_prompt, trace.output_keys[oa:ob].tolist(), trace.output_types[oa:ob].tolist(),
                             now)
 
     def _finish(self) -> None:
@@ -233,9 +288,15 @@ class Replay:
             raise RuntimeError(f"{len(self._inflight)} requests never completed")
 
     # -- statistics ----------------------------------------------------------------------------------------
-    def _stats(self, a: int, b: int, hits: list[int]) -> WindowStats:
-        tr, cache = self.trace, self.cache
+    def _stats(self, a: int, b: int, hits: list[int] | np.ndarray, counts: tuple,
+               occupancy_by_queue: dict[int, int]) -> WindowStats:
+        """``counts``: evictions, bypasses, inserted, misses after eviction by type, occupancy by type, occupancy."""
+        tr = self.trace
+        evictions, bypasses, inserted, mae_by_type, occupancy_by_type, occupancy = counts
+        mae = sum(mae_by_type)
         h = np.asarray(hits, dtype=np.int64)
+        if isinstance(hits, np.ndarray):
+            hits = hits.tolist()
         n_blocks = np.diff(tr.prompt_offsets[a:b + 1])
         prompt_tokens = tr.prompt_tokens[a:b]
         hit_tokens = np.minimum(h * self.block_size, prompt_tokens)
@@ -254,20 +315,25 @@ class Replay:
         return WindowStats(
             index=len(self.windows), start=a, t_start=float(tr.t[a]), t_end=float(tr.t[b - 1]), requests=b - a,
             prompt_tokens=int(prompt_tokens.sum()), hit_tokens=int(hit_tokens.sum()),
-            prompt_blocks=int(n_blocks.sum()), hit_blocks=int(h.sum()), evictions=cache.evictions,
-            bypasses=cache.bypasses, inserted=cache.inserted, refs_by_type=refs_by_type.tolist(),
-            hits_by_type=hits_by_type.tolist(), miss_after_eviction_by_type=list(cache.miss_after_eviction),
-            miss_after_eviction_by_queue=dict(cache.miss_after_eviction_queue),
+            prompt_blocks=int(n_blocks.sum()), hit_blocks=int(h.sum()), evictions=evictions,
+            bypasses=bypasses, inserted=inserted, refs_by_type=refs_by_type.tolist(),
+            hits_by_type=hits_by_type.tolist(), miss_after_eviction_by_type=mae_by_type,
+            miss_after_eviction_by_queue=(dict(self._cache.miss_after_eviction_queue) if self._fast is None
+                                          else {0: mae} if mae else {}),
             refs_by_offset=refs_by_offset[:OFFSET_BUCKETS].tolist(),
             hits_by_offset=hits_by_offset[:OFFSET_BUCKETS].tolist(),
-            app_mix=np.bincount(tr.app[a:b], minlength=N_APP_TYPES).tolist(), occupancy=len(cache),
-            capacity=cache.capacity, occupancy_by_queue=self.policy.occupancy_by_queue(),
-            occupancy_by_type=list(cache.occupancy_by_type),
+            app_mix=np.bincount(tr.app[a:b], minlength=N_APP_TYPES).tolist(), occupancy=occupancy,
+            capacity=self._cache.capacity, occupancy_by_queue=occupancy_by_queue,
+            occupancy_by_type=occupancy_by_type,
             ttft_ms=ttft, queue_ms=queue, hits_per_request=hits, policy=self.policy.window_stats())
 
 
 def replay(trace: Trace, policy: EvictionPolicy, capacity: int, server: Any = None, **kwargs: Any) -> Replay:
-    """Build a cache for ``policy`` and replay the whole trace; returns the finished :class:`Replay`."""
+    """Build a cache for ``policy`` and replay the whole trace; returns the finished :class:`Replay`.
+
+    ``ghost_capacity`` and ``cache_outputs`` go to :class:`PrefixCache`, ``progress`` to :meth:`Replay.run`, the
+    rest (windows, callbacks, ``check``, ``engine``) to :class:`Replay`.
+    """
     cache_kw = {k: kwargs.pop(k) for k in ("ghost_capacity", "cache_outputs") if k in kwargs}
     progress = kwargs.pop("progress", False)
     r = Replay(trace, PrefixCache(capacity, policy, **cache_kw), server, **kwargs)
