@@ -547,7 +547,7 @@ class PrefixCacheEnv(gym.Env):
         self._steps = 0
         self._clipped = 0
         self._done = False
-        info = {"params": policy.params, "clipped": 0, "step": 0, "requests_done": 0,
+        info = {"window": {}, "params": policy.params, "clipped": 0, "step": 0, "requests_done": 0,
                 "capacity_blocks": capacity, "trace_requests": len(trace), "segment_start": start}
         return self._get_obs(), info
 

@@ -350,3 +350,18 @@ def test_quickstart_end_to_end(tmp_path, wandb_dirs):
     assert len(list((run_dir / "cells").glob("*.json"))) == 28
     assert len(list((run_dir / "plots").glob("*.png"))) >= 4
     assert len(offline_run_files(run_dir)) == 29
+
+
+def test_readme_agent_example_runs(tmp_path, monkeypatch):
+    """The README's worked agent example, as printed there, runs as an experiment agent and moves gamma."""
+    text = (ROOT / "README.md").read_text()
+    code = text.split("```python\n# my_agents.py\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_agents.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = small(tmp_path, workloads=[SMALL["workloads"][0]], capacities=[0.2], seeds=[0],
+                   agents=["saecache-fixed", {"name": "climber", "policy": "saecache",
+                                              "agent": "my_agents:GammaClimber", "options": {"factor": 2}}])
+    run = run_experiment(load_config(config, RUNNER), RUNNER, serial=True, progress=False, log=lambda m: None)
+    assert run.ok
+    gammas = [h["params"]["gamma"] for h in run.results["tiny__cap0.2__climber__s0"]["history"]]
+    assert gammas[0] == 2.0 and len(set(gammas)) > 2  # the first act doubles the default 1.0
