@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import math
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 from scipy.stats import lognorm
 
 from sae_env.cache import Block, PrefixCache
-from sae_env.policies import make_policy
+from sae_env.policies import make_policy, saecache
 from sae_env.policies.saecache import AG, CH, PARAM_SPECS, PE, ST, SAECachePolicy
 from sae_env.replay import Replay
 from sae_env.serving import make_server
@@ -414,6 +415,32 @@ def test_deterministic(trace, capacity, switches, predictor, timed):
         return [w.to_dict(with_samples=True) for w in r.windows]
 
     assert once() == once()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=session_traces(timed=True), capacity=st.integers(1, 30), switches=switch_sets, predictor=predictors,
+       timed=st.booleans())
+def test_compaction_changes_no_decision(trace, capacity, switches, predictor, timed):
+    """The recency lists drop dead entries lazily and compact now and then; compacting after nearly every release
+    must give the same victims and hits, with the invariants checked after every request."""
+    def once():
+        r, a = run(trace, capacity, timed=timed, **options(switches, predictor, 8))
+        return hits(r), a.victims
+
+    plain = once()
+    with patch.object(saecache, "_COMPACT_MIN", 2):
+        assert once() == plain
+
+
+def test_compaction_on_tiny_keeps_decisions(monkeypatch):
+    def once():
+        r, a = run(tiny(2), 25, timed=True, window_requests=25)
+        return hits(r), a.victims
+
+    plain = once()
+    monkeypatch.setattr(saecache, "_COMPACT_MIN", 4)
+    compacted = once()
+    assert compacted == plain and plain[1]
 
 
 def test_deterministic_tiny_timed():
