@@ -78,6 +78,16 @@ def test_instant_matches_reference(name, trace, capacity):
     assert_matches(engine(trace, name, capacity), reference_replay_instant(trace, name, capacity))
 
 
+@pytest.mark.parametrize("name", ["lru", "lfu", "fifo"])
+@settings(max_examples=30, deadline=None, report_multiple_bugs=False)
+@given(trace=prefix_traces(), capacity=st.integers(1, 30), ghosts=st.sampled_from([None, 0, 2]))
+def test_compiled_engine_matches_reference(name, trace, capacity, ghosts):
+    """The compiled engine (taken by default for these policies in instant mode) against the reference too."""
+    pytest.importorskip("numba")
+    r = replay(trace, make_policy(name), capacity, window_requests=1, ghost_capacity=ghosts, engine="fast")
+    assert_matches(r, reference_replay_instant(trace, name, capacity, ghost_capacity=ghosts))
+
+
 @pytest.mark.parametrize("name", DIFF)
 @settings(max_examples=30, deadline=None, report_multiple_bugs=False)
 @given(trace=prefix_traces(), capacity=st.integers(1, 30), ghosts=st.integers(0, 5))

@@ -1,4 +1,8 @@
-"""FIFO: evict the evictable leaf that was inserted first. Hits do not change the order."""
+"""FIFO: evict the evictable leaf that was inserted first. Hits do not change the order.
+
+:mod:`sae_env.fast_engine` replays this policy compiled (instant mode, chosen by the replay by itself); a change here
+must be made there too (``tests/test_fast_engine.py`` compares the two hit for hit).
+"""
 
 from __future__ import annotations
 

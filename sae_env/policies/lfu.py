@@ -2,6 +2,9 @@
 longest ago (deepest first among blocks released together), as libCacheSim's LFU (frequency lists, LRU inside).
 
 A block's count starts at 1 on insertion and grows by 1 per hit; it is forgotten on eviction (no ghost frequency).
+
+:mod:`sae_env.fast_engine` replays this policy compiled (instant mode, chosen by the replay by itself); a change here
+must be made there too (``tests/test_fast_engine.py`` compares the two hit for hit).
 """
 
 from __future__ import annotations

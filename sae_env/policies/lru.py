@@ -4,6 +4,9 @@ vLLM v1 keeps blocks that no running request uses in a free queue, appended when
 order, so a request's deepest block is evicted first) and removed when a new request hits them; eviction pops the
 head. This is that queue. Its head is always a leaf: a block's children are released with it (before it) or earlier,
 so the cache's leaf-only rule never has to skip an entry (the cache checks it anyway).
+
+:mod:`sae_env.fast_engine` replays this policy compiled (instant mode, chosen by the replay by itself); a change here
+must be made there too (``tests/test_fast_engine.py`` compares the two hit for hit).
 """
 
 from __future__ import annotations
