@@ -1,13 +1,22 @@
-"""Replay throughput and memory: our engine against libcachesim in the same process.
+"""Replay throughput and memory: our engines against libcachesim in the same process.
 
-1. A block-reference stream with no shared prefixes (one block per request, Zipf ids) through our ``lru`` and
-   through libcachesim's LRU (same cache size in objects); both throughputs, their hit ratios (they must agree) and
-   the ratio of throughputs.
+Our replay has two engines with identical results (``tests/test_fast_engine.py`` checks every window statistic):
+the generic Python engine (any policy) and the compiled one (:mod:`sae_env.fast_engine`, numba) that
+:class:`~sae_env.replay.Replay` takes by default for ``lru``, ``lfu`` and ``fifo`` in instant mode. Both are
+measured and labelled; "default" is what a user gets without asking.
+
+1. A block-reference stream with no shared prefixes (one block per request, Zipf ids) through our ``lru`` (default
+   engine, then the Python engine) and through libcachesim's LRU (same cache size in objects); throughputs, hits
+   (they must agree) and the ratio of throughputs. Our time includes building the replay (the compiled engine maps
+   the trace's keys to dense ids there) and the per-window statistics; the kernels are compiled (or loaded from
+   numba's on-disk cache) beforehand, and that one-off time is printed separately.
 2. Block references per second for every registered online policy on a prefix-sharing trace (the synthetic
-   heterogeneous workload by default), instant mode.
-3. Bytes of memory per cached block (tracemalloc over filling an LRU cache).
+   heterogeneous workload by default), instant mode: the default engine, and the Python engine where they differ.
+3. Bytes of memory per cached block (tracemalloc while filling an LRU / LFU cache to capacity, ghost record full),
+   for each engine.
 
-The last line is ``lru_vs_libcachesim=<ratio>``. Machines here are noisy: compare ratios, not absolute figures.
+The last line is ``lru_vs_libcachesim=<ratio>`` (the default engine). Machines here are noisy: compare ratios, not
+absolute figures.
 
     python benchmarks/replay_bench.py [--requests 1000000] [--objects 1000000] [--cache 0.1]
 """
@@ -22,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sae_env import fast_engine
 from sae_env.cache import PrefixCache
 from sae_env.policies import make_policy, policy_class, policy_names
 from sae_env.replay import Replay
@@ -73,27 +83,60 @@ def libcachesim_lru(ids: np.ndarray, capacity: int, tmp: Path) -> tuple[float, i
     return dt, int(round((1 - miss_ratio) * ids.size))
 
 
-def ours(trace: Trace, policy: str, capacity: int) -> tuple[float, int]:
-    rep = Replay(trace, PrefixCache(capacity, make_policy(policy)), window_requests=50_000)
+def ours(trace: Trace, policy: str, capacity: int, engine: str = "auto") -> tuple[float, int, str]:
+    """Seconds to build and run the replay, hit blocks, and the engine that ran."""
     t0 = time.perf_counter()
+    rep = Replay(trace, PrefixCache(capacity, make_policy(policy)), window_requests=50_000, engine=engine)
+    used = rep.engine
     rep.run()
-    return time.perf_counter() - t0, sum(w.hit_blocks for w in rep.windows)
+    return time.perf_counter() - t0, sum(w.hit_blocks for w in rep.windows), used
 
 
-def bytes_per_block(capacity: int) -> float:
-    """Memory held by an LRU cache filled to ``capacity`` blocks of 4-block prompts (ghosts full too)."""
+def prompts_of_four(capacity: int) -> Trace:
+    """3/4 * capacity requests of 4 fresh blocks (3x capacity distinct blocks): fills the cache and the ghosts."""
     rng = np.random.default_rng(1)
-    n_req = 3 * capacity // 4
-    keys = rng.integers(1, 2**62, size=4 * n_req).tolist()
+    n = 3 * capacity // 4
+    return Trace(t=np.arange(n, dtype=np.float64), session=np.full(n, -1), turn=np.ones(n), app=np.zeros(n),
+                 prompt_tokens=np.full(n, 64), output_tokens=np.zeros(n), prompt_offsets=np.arange(0, 4 * n + 1, 4),
+                 prompt_keys=rng.integers(1, 2**62, size=4 * n), prompt_types=np.tile([0, 0, 0, 2], n),
+                 block_size=16)
+
+
+def bytes_per_block_python(policy: str, capacity: int) -> float:
+    """Memory held by a Python-engine cache filled with :func:`prompts_of_four` (blocks, policy, ghosts)."""
+    trace = prompts_of_four(capacity)
+    keys = trace.prompt_keys.tolist()
+    types = [0, 0, 0, 2]
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    cache = PrefixCache(capacity, make_policy("lru"))
-    for r in range(n_req):  # 3x capacity blocks: the cache fills, then evicts into a full ghost record
-        cache.serve(keys[4 * r:4 * r + 4], [0, 0, 0, 2], (), (), float(r))
+    cache = PrefixCache(capacity, make_policy(policy))
+    for r in range(len(trace)):
+        cache.serve(keys[4 * r:4 * r + 4], types, (), (), float(r))
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    del keys
     return used / len(cache)
+
+
+def bytes_per_block_fast(policy: str, capacity: int) -> tuple[float, float]:
+    """Memory held by the compiled engine after the same fill: (everything it allocated, including the trace's
+    dense ids and types (5 bytes per reference); its cache state alone), per cached block."""
+    trace = prompts_of_four(capacity)
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    engine = fast_engine.FastEngine.build(trace, PrefixCache(capacity, make_policy(policy)))
+    engine.run_window(0, len(trace))
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return used / len(engine), engine.nbytes / len(engine)
+
+
+def warm_up() -> float:
+    """Compile (or load from numba's cache) the kernels once; returns the seconds it took."""
+    t0 = time.perf_counter()
+    trace = prompts_of_four(16)
+    for name in ("lru", "lfu", "fifo"):
+        Replay(trace, PrefixCache(8, make_policy(name)), engine="fast").run()
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -103,17 +146,30 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=1.0)
     ap.add_argument("--cache", type=float, default=0.1, help="cache size as a fraction of the objects")
     ap.add_argument("--prefix-trace", default="synthetic", help="source for part 2 (default: synthetic preset)")
+    ap.add_argument("--memory-capacity", type=int, default=200_000, help="cache size (blocks) for part 3")
     args = ap.parse_args()
+
+    if fast_engine.AVAILABLE:
+        import numba
+
+        print(f"compiled engine: numba {numba.__version__}, kernels ready in {warm_up():.2f} s (once per "
+              "install: numba caches them on disk)")
+    else:
+        print("compiled engine: unavailable (numba not installed); the default is the Python engine")
 
     ids = zipf_stream(args.requests, args.objects, args.alpha, seed=0)
     capacity = max(1, int(args.cache * args.objects))
     with tempfile.TemporaryDirectory() as tmp:
         dt_ref, hits_ref = libcachesim_lru(ids, capacity, Path(tmp))
-    dt, hits = ours(single_block_trace(ids), "lru", capacity)
+    flat = single_block_trace(ids)
+    dt, hits, default_engine = ours(flat, "lru", capacity)
+    dt_py, hits_py, _ = ours(flat, "lru", capacity, engine="python")
     print(f"no shared prefixes: {ids.size:,} requests, {args.objects:,} objects, cache {capacity:,} blocks")
-    print(f"  libcachesim LRU  {ids.size / dt_ref / 1e6:8.3f} M refs/s   hits {hits_ref:,}")
-    print(f"  our lru          {ids.size / dt / 1e6:8.3f} M refs/s   hits {hits:,}   "
-          f"{'(hits agree)' if abs(hits - hits_ref) <= 1 else '(HITS DIFFER)'}")
+    print(f"  libcachesim LRU              {ids.size / dt_ref / 1e6:8.3f} M refs/s   hits {hits_ref:,}")
+    runs = ((f"our lru ({default_engine}, default)", dt, hits), ("our lru (python engine)", dt_py, hits_py))
+    for label, t, h in runs:
+        print(f"  {label:28s} {ids.size / t / 1e6:8.3f} M refs/s   hits {h:,}   "
+              f"{'(hits agree)' if abs(h - hits_ref) <= 1 else '(HITS DIFFER)'}   {dt_ref / t:.3f}x libcachesim")
 
     trace, _ = load_source("synthetic", None, preset="heterogeneous")
     refs = trace.n_blocks
@@ -124,11 +180,22 @@ def main() -> None:
         cls = policy_class(name)
         if getattr(cls, "needs_predictor", False):
             continue
-        t, h = ours(trace, name, cap)
         tag = " (oracle)" if cls.oracle else ""
-        print(f"  {name:10s} {refs / t / 1e6:8.3f} M block refs/s   block hit rate {h / refs:.4f}{tag}")
+        t, h, used = ours(trace, name, cap)
+        print(f"  {name:10s} {used:6s} {refs / t / 1e6:8.3f} M block refs/s   block hit rate {h / refs:.4f}{tag}"
+              f"{'   (default)' if used == 'fast' else ''}")
+        if used == "fast":
+            t, h, _ = ours(trace, name, cap, engine="python")
+            print(f"  {name:10s} python {refs / t / 1e6:8.3f} M block refs/s   block hit rate {h / refs:.4f}")
 
-    print(f"memory: {bytes_per_block(200_000):.0f} bytes per cached block (LRU, ghost record full)")
+    mc = args.memory_capacity
+    print(f"memory per cached block ({mc:,}-block cache filled with 4-block prompts, ghost record full):")
+    for name in ("lru", "lfu"):
+        print(f"  {name} python engine   {bytes_per_block_python(name, mc):6.0f} bytes")
+        if fast_engine.AVAILABLE:
+            total, state = bytes_per_block_fast(name, mc)
+            print(f"  {name} compiled engine {total:6.0f} bytes (cache state alone {state:.0f}; the rest: the "
+                  "trace's dense ids and types)")
     print(f"lru_vs_libcachesim={(ids.size / dt) / (ids.size / dt_ref):.3f}")
 
 
