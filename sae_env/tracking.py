@@ -9,7 +9,8 @@ workload ``phase`` (index into the trace's phase schedule; -1 none). The run's s
 (``final/token_hit_rate``, ``final/ttft_p99_ms``, ...). A last run (job type ``summary``) holds a ``wandb.Table``
 of every cell and the report's plots as images.
 
-Modes: ``offline`` (default: no network; ``wandb sync <run-dir>/wandb/offline-run-*`` uploads later), ``online``
+Modes: ``offline`` (default: no network, not even a DNS lookup; ``wandb sync <run-dir>/wandb/offline-run-*``
+uploads later), ``online``
 (the user's account), ``disabled``. Runs go under ``<run-dir>/wandb``. If W&B cannot be imported or fails, the
 tracker warns once and turns itself off: the local files of the experiment are the record that always exists.
 Runs are written by one background thread, in the order the cells finish: a W&B run costs ~0.7 s (mostly waiting
@@ -54,6 +55,12 @@ class Tracker:
         if self._wandb is None:
             # W&B mistakes our ``agents`` package for the OpenAI Agents SDK and advertises Weave on every init.
             os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
+            if self.mode == "offline":
+                # W&B's service process resolves the default server's host name at start-up even offline (a DNS
+                # query off the machine, seen with strace); a loopback server address, read from the environment
+                # when the service starts, stops it. Nothing is sent there offline, and the address is not stored
+                # in the run: `wandb sync` later uses the syncing user's settings.
+                os.environ.setdefault("WANDB_BASE_URL", "http://127.0.0.1")
             import wandb
 
             self._wandb = wandb

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -365,3 +367,22 @@ def test_readme_agent_example_runs(tmp_path, monkeypatch):
     assert run.ok
     gammas = [h["params"]["gamma"] for h in run.results["tiny__cap0.2__climber__s0"]["history"]]
     assert gammas[0] == 2.0 and len(set(gammas)) > 2  # the first act doubles the default 1.0
+
+
+@pytest.mark.skipif(not shutil.which("strace"), reason="needs strace")
+def test_no_connection_leaves_the_machine(tmp_path, wandb_dirs):
+    """A Ray + W&B-offline experiment under `strace -f`: every socket connect / sendto is loopback or local."""
+    path = tmp_path / "exp.yaml"
+    path.write_text(json.dumps(small(tmp_path, seeds=[0], capacities=[0.2], wandb={"mode": "offline"})))
+    log = tmp_path / "strace.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(wandb_dirs, PYTHONPATH=str(ROOT))
+    env.pop("WANDB_BASE_URL", None)
+    proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=connect,sendto,sendmsg,sendmmsg", "-o", str(log),
+                           sys.executable, "train.py", "run", "--config", str(path), "--no-progress"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    inet = re.findall(r"sa_family=AF_INET6?, [^}]*}", log.read_text())
+    assert inet, "no TCP/UDP connection at all: strace did not see Ray"
+    remote = [a for a in inet if "127.0.0.1" not in a and '"::1"' not in a]
+    assert remote == [], f"connections off the machine: {sorted(set(remote))[:5]}"
