@@ -61,7 +61,7 @@ QUEUES = ("priority_eviction", "structural", "chat", "agent")
 N_QUEUES = len(QUEUES)
 _SQRT2 = math.sqrt(2.0)
 _STRUCTURAL_TYPES = (TokenType.SYSTEM, TokenType.TEMPLATE)
-_COMPACT_MIN = 1 << 16  # list entries appended before the first compaction
+_COMPACT_MIN = 1 << 18  # released blocks before the first compaction of the recency lists (a few MB of entries)
 _CONSTANT, _LOGNORMAL, _EXPONENTIAL, _POSITION = range(4)  # kinds of survival term p_q
 _REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)  # plain ints: enum lookups cost more
 
@@ -123,8 +123,7 @@ class SAECachePolicy(EvictionPolicy):
         self.min_dt = float(min_dt)
         self._lists: dict[int, _RecencyList] = {}  # group (queue * 8 + type) -> recency list
         self._returned: dict[int, list[tuple[int, int, Block]]] = {}  # group -> heap of (stamp, key, block)
-        self._entries = 0  # list entries appended since the last compaction
-        self._compact_at = _COMPACT_MIN
+        self._compact_at = _COMPACT_MIN  # the release count at which the lists are compacted next
         # Best candidate per group, valid while no block is acquired or released and the clock stands still: the
         # evictions of one insertion run reuse it and refresh only the groups they touched.
         self._cand: dict[int, tuple[int, float, int, int, Block]] = {}  # see _best
@@ -284,7 +283,6 @@ class SAECachePolicy(EvictionPolicy):
         self._cand_now = None
         tw = self._typed
         seq = self._released
-        appended = 0
         last_g, stamps, members = -1, None, None
         for b in blocks:
             seq += 1
@@ -297,10 +295,8 @@ class SAECachePolicy(EvictionPolicy):
                     stamps, members = lst.stamps, lst.blocks
                 stamps.append(seq)
                 members.append(b)
-                appended += 1
         self._released = seq
-        self._entries += appended
-        if self._entries > self._compact_at:
+        if seq > self._compact_at:
             self._compact()
 
     def on_leaf(self, block: Block) -> None:
@@ -327,8 +323,9 @@ class SAECachePolicy(EvictionPolicy):
     def _compact(self) -> None:
         """Drop the dead entries of every list and returned-heap; live ones keep their order, so no decision changes.
 
-        Scans drop dead entries from list heads; this bounds the ones behind long-lived heads. It runs once the
-        lists hold twice the entries that survived the last compaction: amortised O(1) per appended entry.
+        Scans drop dead entries from list heads; this bounds the ones behind long-lived heads. It runs after twice
+        as many releases as entries survived the last compaction (at least ``_COMPACT_MIN``): amortised O(1) per
+        released block, as each released block appends at most one entry.
         """
         kept = 0
         for g, lst in self._lists.items():
@@ -339,8 +336,7 @@ class SAECachePolicy(EvictionPolicy):
             valid = [e for e in heap if e[2].stamp == e[0] and not e[2].pins and not e[2].n_children]
             heapq.heapify(valid)
             self._returned[g] = valid
-        self._entries = kept
-        self._compact_at = max(2 * kept, _COMPACT_MIN)
+        self._compact_at = self._released + max(2 * kept, _COMPACT_MIN)
 
     # -- priority and eviction -----------------------------------------------------------------------------------
     def priority(self, b: Block, now: float) -> float:
