@@ -275,7 +275,8 @@ class SAECachePolicy(EvictionPolicy):
           when released: in a release only the deepest block can be, as every other one has its path child. The
           others are parked from the start: an unpinned block gains no child, so it becomes evictable only through
           on_leaf, which puts it in the returned-heap. The group's oldest evictable block is the older of the
-          list head and the heap top, whichever way the parked blocks were placed.
+          list head and the heap top, whichever way the parked blocks were placed, and it is the group's victim
+          (its priority falls with idle time), so the victims are the ones of a list holding every block.
         * Structural groups list every released block: their sample is the first ``sample`` leaves of the list,
           and which blocks those are depends on where the inner nodes sit, so an inner node is parked only when a
           scan meets it (see _structural_candidates).
@@ -457,7 +458,8 @@ class SAECachePolicy(EvictionPolicy):
         self._dirty.clear()
         if not cand:
             return None
-        *_, g, victim = min(cand.values())
+        best = min(cand.values())
+        g, victim = best[3], best[4]
         del cand[g]
         self._occupancy[victim.queue] -= 1
         victim.stamp = 0  # its list or heap entry is dead now
