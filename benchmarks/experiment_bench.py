@@ -4,9 +4,11 @@
 
 The cells are one agent on one generated trace (generator seed fixed, so every cell does the same work) under
 ``--cells`` cell seeds. Serial: ``run_experiment(serial=True)``; Ray: the same config on a private local cluster of
-``--num-cpus`` CPUs, started before the clock (its start-up is printed on its own line: it is paid once per
-experiment, not per cell). W&B off and no report, so that both sides time the cells and the runner only. The results
-of both runs are checked equal. Last line: ``ray_speedup=<serial seconds / Ray seconds>``.
+``--num-cpus`` CPUs, started before the clock, and its workers warmed (one task per CPU that imports what a cell
+imports) before the clock too, as the serial side imported everything before its clock: both one-off costs are
+printed on their own lines (paid once per experiment, not per cell). W&B off and no report, so that both sides time
+the cells and the runner only. The results of both runs are checked equal. Last line:
+``ray_speedup=<serial seconds / Ray seconds>``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agents import CellRunner  # noqa: E402
 from sae_env.experiment import load_config, run_experiment  # noqa: E402
 from sae_env.ray_local import ray_cluster  # noqa: E402
+
+
+def _warm(hold: float) -> None:
+    """Import what a cell imports; hold the CPU a moment so that each warm-up lands on its own worker."""
+    import agents.evaluate  # noqa: F401
+    import sae_env.env  # noqa: F401
+
+    time.sleep(hold)
 
 
 def main() -> int:
@@ -46,9 +56,14 @@ def main() -> int:
     t_serial = time.perf_counter() - t0
     print(f"serial: {args.cells} cells in {t_serial:.2f} s ({t_serial / args.cells:.2f} s per cell)")
 
+    global _warm
     t0 = time.perf_counter()
-    with ray_cluster(num_cpus=args.num_cpus):
+    with ray_cluster(num_cpus=args.num_cpus) as ray:
+        _warm = ray.remote(_warm)
         print(f"ray start: {time.perf_counter() - t0:.2f} s (once per experiment; not in the ratio)")
+        t0 = time.perf_counter()
+        ray.get([_warm.options(num_cpus=1).remote(0.5) for _ in range(args.num_cpus)])
+        print(f"ray workers warm: {time.perf_counter() - t0:.2f} s (imports, once per worker; not in the ratio)")
         t1 = time.perf_counter()
         on_ray = run_experiment(config, runner, serial=False, run_id="ray", **quiet)
         t_ray = time.perf_counter() - t1

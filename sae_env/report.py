@@ -107,7 +107,9 @@ def _markdown(run: Any, rows: list[dict[str, Any]], plots: list[Path]) -> str:
     lines += [f"Run folder `{run.run_dir}`; {len(run.cells)} cells ({len(run.results)} finished, "
               f"{len(run.failures)} failed); serving `{serving}`; window {config.window}; seeds "
               f"{list(config.seeds)}. Token hit rates in %, TTFT in ms; ± is the standard deviation over seeds; "
-              "gap to Belady in percentage points.", ""]
+              "gap to Belady in percentage points. Per-phase columns (traces with a phase schedule) count the "
+              "windows whose first request arrived within the phase; windows after the schedule's end (sessions "
+              "still running) are in the totals only.", ""]
     timed = serving != "instant"
     by_group: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
