@@ -140,19 +140,9 @@ def read_run_config(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, 
     if isinstance(source, Mapping):
         data, where = dict(source), "ppo run config"
     else:
-        import yaml
+        from sae_env.files import read_mapping
 
-        path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"no such config file: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: malformed YAML ({e})") from None
-        where = str(path)
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
-        data = dict(data)
+        data, where = read_mapping(source, "ppo run config")
     unknown = sorted(set(data) - RUN_KEYS)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; valid: {sorted(RUN_KEYS)}")

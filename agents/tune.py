@@ -173,28 +173,9 @@ def tune_fixed(env_config: Mapping[str, Any] | None, n_trials: int, seed: int = 
 
 def _read_mapping(text: str, what: str) -> dict[str, Any]:
     """A mapping from a YAML / JSON file path or an inline YAML mapping."""
-    import yaml
+    from sae_env.files import read_mapping
 
-    path = Path(text)
-    if path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists():
-        if not path.exists():
-            raise FileNotFoundError(f"{what}: no such file {text}")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: malformed YAML / JSON ({e})") from None
-        where = str(path)
-    else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ValueError(f"{what}: neither a file nor a YAML mapping ({e})") from None
-        where = what
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
-    return dict(data)
+    return read_mapping(text, what, inline=True)[0]
 
 
 _CONFIG_KEYS = {"env", "trials", "seed", "method", "objective", "eta", "min_steps"}

@@ -12,7 +12,6 @@ exits with status 2; nothing is half-written (outputs are written atomically).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -22,7 +21,10 @@ from typing import Any, Protocol
 
 import yaml
 
+from sae_env.files import write_json
 from sae_env.trace import Trace, TraceFormatError
+
+__all__ = ["CliExtension", "UsageError", "build_parser", "load_input", "main", "parse_options", "write_json"]
 
 DEFAULT_TRACE = "taubench"  # an embedded real trace (see sae_env/data/README.md)
 # The default experiment: embedded real traces, the main agents, about a minute on 2 cores.
@@ -82,25 +84,6 @@ def load_input(trace: str, source: str | None, options: dict[str, Any],
         raise UsageError(f"--block-size {block_size} does not match the trace's block size "
                          f"{trace_obj.block_size} (hash-only and native traces keep the block size of their data)")
     return trace_obj, report
-
-
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
-    os.replace(tmp, path)
-
-
-def _json_default(o: Any) -> Any:
-    import numpy as np
-
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
 def _fmt(v: Any, width: int = 12) -> str:

@@ -53,6 +53,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from sae_env.files import read_mapping, write_json
 from sae_env.trace import Trace
 
 __all__ = ["AgentSpec", "Cell", "CellRunner", "ConfigError", "ExperimentConfig", "ExperimentRun", "RayConfig",
@@ -353,16 +354,12 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], runner: CellRunne
     if isinstance(source, Mapping):
         data, where = dict(source), "config"
     else:
-        path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"config file {path} does not exist")
         try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: malformed YAML ({e})") from None
-        where = str(path)
-        if isinstance(data, Mapping) and "ppo" in data and "workloads" not in data:
-            raise ConfigError(f"{path} is a PPO training config: run it with `python train.py ppo --config {path}`")
+            data, where = read_mapping(source, "config")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if "ppo" in data and "workloads" not in data:
+            raise ConfigError(f"{where} is a PPO training config: run it with `python train.py ppo --config {where}`")
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where}: expected a mapping of experiment keys ({', '.join(_TOP_KEYS)})")
     data = {**data, **(overrides or {})}
@@ -440,23 +437,8 @@ def run_dir_for(config: ExperimentConfig, run_id: str | None = None) -> Path:
 
 
 def _write_json(path: Path, obj: Any) -> str:
-    """Write ``obj`` as JSON atomically; returns the text (its parse is what a resumed run will read)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    text = json.dumps(obj, indent=1, default=_json_default, allow_nan=False) + "\n"
-    tmp.write_text(text)
-    os.replace(tmp, path)  # atomic: a reader (or a resumed run) sees the whole file or none
-    return text
-
-
-def _json_default(o: Any) -> Any:
-    import numpy as np
-
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+    """Result files: atomic, strict JSON (no NaN), compact."""
+    return write_json(path, obj, indent=1, allow_nan=False)
 
 
 def _finite(o: Any) -> Any:
