@@ -260,7 +260,9 @@ def build_parser(extensions: Sequence[CliExtension] = ()) -> argparse.ArgumentPa
                                 "default configs/quickstart.yaml).")
     add_run_options(p)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    # SUPPRESS: an option left out after `run` keeps what was given before it (`train.py --config F run`).
     run = sub.add_parser("run", help="run an experiment config (workloads x capacities x agents x seeds)",
+                         argument_default=argparse.SUPPRESS,
                          description="Expand a YAML config into cells, run them on a local Ray cluster (or "
                          "serially), write runs/<experiment>/<run-id>/ (cells/, summary.csv, report.md, plots/) "
                          "and W&B runs (offline by default). Rerunning the same command resumes.")

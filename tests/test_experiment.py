@@ -386,3 +386,15 @@ def test_no_connection_leaves_the_machine(tmp_path, wandb_dirs):
     assert inet, "no TCP/UDP connection at all: strace did not see Ray"
     remote = [a for a in inet if "127.0.0.1" not in a and '"::1"' not in a]
     assert remote == [], f"connections off the machine: {sorted(set(remote))[:5]}"
+
+
+def test_run_options_before_or_after_the_subcommand():
+    from agents.cli import AgentsExtension
+    from sae_env.cli import build_parser
+
+    parser = build_parser([AgentsExtension()])
+    for argv in (["--config", "x.yaml", "--serial", "run"], ["run", "--config", "x.yaml", "--serial"],
+                 ["--config", "x.yaml", "run", "--serial"]):
+        ns = parser.parse_args(argv)
+        assert (ns.config, ns.serial, ns.no_wandb) == ("x.yaml", True, False), argv
+    assert parser.parse_args([]).config is None  # the quickstart
