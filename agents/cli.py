@@ -7,6 +7,7 @@ trained session predictor (``--predictor FILE``) to the policies that take one, 
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 from typing import Any
 
@@ -24,13 +25,8 @@ class AgentsExtension:
         from agents.tune import add_cli as add_tune
 
         add_tune(sub)
-        try:
-            from agents.ppo import add_cli as add_ppo
-            from agents.session_predictor import add_cli
-        except ImportError:  # the predictor and PPO need torch
-            return
-        add_cli(sub)
-        add_ppo(sub)
+        add_predictor_command(sub)
+        add_ppo_command(sub)
 
     def add_replay_options(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--fixed", action="store_true", help="keep adaptive policies' parameters fixed (no "
@@ -61,6 +57,50 @@ class AgentsExtension:
         from agents.evaluate import CellRunner
 
         return CellRunner()
+
+
+def _run(target: str) -> Any:
+    """A subcommand handler ``"module:function"`` imported when it runs: the torch-based modules load only for
+    their own subcommands, so ``--help`` and the other commands start without torch (~3 s)."""
+    def handler(args: argparse.Namespace) -> int:
+        module, name = target.split(":")
+        return getattr(importlib.import_module(module), name)(args)
+
+    return handler
+
+
+def add_predictor_command(subparsers: Any) -> argparse.ArgumentParser:
+    """The ``predictor`` subcommand (agents/session_predictor.py)."""
+    p = subparsers.add_parser("predictor", help="train and evaluate the session predictor",
+                              description="Train the ~1 M-parameter session predictor on the first requests of one "
+                              "or more traces, report held-out accuracy / AUC / throughput, write the checkpoint. "
+                              "Text traces need --opt features=ngram for text features.")
+    p.add_argument("--train", nargs="+", required=True, metavar="TRACE",
+                   help="trace files or embedded trace names (e.g. wildchat taubench mooncake_arxiv)")
+    p.add_argument("--source", help="input format of the traces (inferred for embedded traces and .npz)")
+    p.add_argument("--opt", action="append", metavar="KEY=VALUE", help="a source option (repeatable), e.g. "
+                   "--opt features=ngram")
+    p.add_argument("--out", required=True, help="checkpoint file to write (.pt)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--val-fraction", type=float, default=0.2, help="share of sessions held out (default 0.2)")
+    p.add_argument("--json", help="also write the report as JSON")
+    p.set_defaults(func=_run("agents.session_predictor:cmd_predictor"))
+    return p
+
+
+def add_ppo_command(subparsers: Any) -> argparse.ArgumentParser:
+    """The ``ppo`` subcommand (agents/ppo.py)."""
+    p = subparsers.add_parser("ppo", help="train a PPO agent that sets the policy's parameters",
+                              description="Train PPO (actor-critic MLP, Gaussian actions around the policy's "
+                              "defaults, GAE, clipped objective) on PrefixCacheEnv and write checkpoint.pt, "
+                              "metrics.json, config.json (and eval.json with an 'eval' section) to --out.")
+    p.add_argument("--config", default="configs/ppo.yaml", help="run configuration (default configs/ppo.yaml)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default runs/ppo-<date>-<time>)")
+    p.add_argument("--total-steps", type=int, help="override ppo.total_steps")
+    p.add_argument("--seed", type=int, help="override seed")
+    p.set_defaults(func=_run("agents.ppo:cmd_ppo"))
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:

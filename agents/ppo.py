@@ -64,7 +64,7 @@ from torch import nn
 from agents.base import BaseAgent
 from agents.evaluate import evaluate, make_env
 
-__all__ = ["ActorCritic", "PPOAgent", "PPOConfig", "Rollout", "RolloutState", "TrainResult", "add_cli",
+__all__ = ["ActorCritic", "PPOAgent", "PPOConfig", "Rollout", "RolloutState", "TrainResult",
            "collect_rollout", "compute_gae", "flatten_obs", "load_checkpoint", "make_vector_env", "ppo_update",
            "read_run_config", "run", "save_checkpoint", "train"]
 
@@ -669,17 +669,3 @@ def cmd_ppo(args: argparse.Namespace) -> int:
     _, out = run(args.config, args.out, overrides)
     print(f"wrote {out / 'checkpoint.pt'}, {out / 'metrics.json'}, {out / 'config.json'}")
     return 0
-
-
-def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``ppo`` subcommand."""
-    p = subparsers.add_parser("ppo", help="train a PPO agent that sets the policy's parameters",
-                              description="Train PPO (actor-critic MLP, Gaussian actions around the policy's "
-                              "defaults, GAE, clipped objective) on PrefixCacheEnv and write checkpoint.pt, "
-                              "metrics.json, config.json (and eval.json with an 'eval' section) to --out.")
-    p.add_argument("--config", default="configs/ppo.yaml", help="run configuration (default configs/ppo.yaml)")
-    p.add_argument("--out", metavar="DIR", help="output folder (default runs/ppo-<date>-<time>)")
-    p.add_argument("--total-steps", type=int, help="override ppo.total_steps")
-    p.add_argument("--seed", type=int, help="override seed")
-    p.set_defaults(func=cmd_ppo)
-    return p

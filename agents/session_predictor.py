@@ -60,7 +60,7 @@ from sae_env.features import (
 )
 from sae_env.trace import Trace
 
-__all__ = ["PolicyPredictor", "SessionPredictor", "add_cli", "macro_auc", "one_vs_rest_auc", "train_predictor"]
+__all__ = ["PolicyPredictor", "SessionPredictor", "macro_auc", "one_vs_rest_auc", "train_predictor"]
 
 CHECKPOINT_FORMAT = "saecache-session-predictor"
 CHECKPOINT_VERSION = 1
@@ -494,23 +494,3 @@ def cmd_predictor(args: argparse.Namespace) -> int:
         write_json(args.json, report)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
-
-
-def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``predictor`` subcommand to a ``argparse`` subparsers object."""
-    p = subparsers.add_parser("predictor", help="train and evaluate the session predictor",
-                              description="Train the ~1 M-parameter session predictor on the first requests of one "
-                              "or more traces, report held-out accuracy / AUC / throughput, write the checkpoint. "
-                              "Text traces need --opt features=ngram for text features.")
-    p.add_argument("--train", nargs="+", required=True, metavar="TRACE",
-                   help="trace files or embedded trace names (e.g. wildchat taubench mooncake_arxiv)")
-    p.add_argument("--source", help="input format of the traces (inferred for embedded traces and .npz)")
-    p.add_argument("--opt", action="append", metavar="KEY=VALUE", help="a source option (repeatable), e.g. "
-                   "--opt features=ngram")
-    p.add_argument("--out", required=True, help="checkpoint file to write (.pt)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--val-fraction", type=float, default=0.2, help="share of sessions held out (default 0.2)")
-    p.add_argument("--json", help="also write the report as JSON")
-    p.set_defaults(func=cmd_predictor)
-    return p

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from agents.session_predictor import (
     PolicyPredictor,
     SessionPredictor,
-    add_cli,
     macro_auc,
     one_vs_rest_auc,
     train_predictor,
@@ -213,11 +212,11 @@ def test_bad_arguments(synthetic):
 
 
 def test_cli(tmp_path, synthetic):
-    from sae_env.cli import main  # noqa: F401 - the lead wires add_cli into the main parser; here a parser of our own
+    from agents.cli import add_predictor_command
 
     trace_path = synthetic[:600].save(tmp_path / "syn.npz")
     parser = argparse.ArgumentParser()
-    add_cli(parser.add_subparsers(dest="command"))
+    add_predictor_command(parser.add_subparsers(dest="command"))
     out, rep = tmp_path / "p.pt", tmp_path / "report.json"
     args = parser.parse_args(["predictor", "--train", str(trace_path), str(trace_path), "--out", str(out),
                               "--epochs", "2", "--seed", "1", "--json", str(rep)])
