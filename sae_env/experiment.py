@@ -28,8 +28,10 @@ Running (:func:`run_experiment`): traces are built once per (workload, seed) in 
 object store; cells run as Ray tasks (one CPU each) on a private local cluster (:mod:`sae_env.ray_local`: nothing
 leaves the machine) or on the cluster at ``ray.address``; ``serial=True`` runs them in this process. A finished cell
 is written at once (``cells/<cell-id>.json``, atomic rename), so rerunning the same config resumes: the run folder
-is ``<output>/<name>/<run-id>`` with the run id a hash of everything that decides the results. A cell that raises
-is retried ``ray.retries`` times, then reported (``failures.json``, report.md) while the others finish.
+is ``<output>/<name>/<run-id>`` with the run id a hash of everything that decides the results. A cell whose task
+(trace spec, agent spec, capacity, load, seed, serving, window, reward) is identical in another run folder of the
+same experiment is copied from there, so adding an agent or a capacity to a config runs only the new cells. A cell
+that raises is retried ``ray.retries`` times, then reported (``failures.json``, report.md) while the others finish.
 
 What runs a cell is the **cell runner** handed in by the caller (:class:`CellRunner`; the ``agents`` package's
 ``agents.evaluate.CellRunner``): this module never imports ``agents``. Cell results are deterministic (same config
@@ -406,9 +408,25 @@ def expand(config: ExperimentConfig) -> list[Cell]:
 def cell_task(config: ExperimentConfig, cell: Cell) -> dict[str, Any]:
     """What a cell runner receives: the cell plus everything needed to build its env and agent."""
     agent = next(a for a in config.agents if a.name == cell.agent)
-    return {"id": cell.id, "workload": cell.workload, "capacity": cell.capacity, "load": cell.load,
-            "seed": cell.seed, "agent": asdict(agent), "serving": config.serving.model, "window": config.window,
-            "reward": config.reward}
+    workload = next(w for w in config.workloads if w.name == cell.workload)
+    return {"id": cell.id, "workload": cell.workload, "trace": workload.spec_for(cell.seed),
+            "capacity": cell.capacity, "load": cell.load, "seed": cell.seed, "agent": asdict(agent),
+            "serving": config.serving.model, "window": config.window, "reward": config.reward}
+
+
+def _reusable(config: ExperimentConfig, run_dir: Path, cells: list[Cell]) -> dict[str, dict[str, Any]]:
+    """Finished cells of this experiment's other run folders whose task is exactly this config's (same trace spec,
+    agent spec, capacity, load, seed, serving, window, reward): adding an agent or a capacity to a config reruns
+    only the new cells."""
+    wanted = {c.id: json.loads(json.dumps(cell_task(config, c))) for c in cells}
+    found: dict[str, dict[str, Any]] = {}
+    for other in sorted(run_dir.parent.glob("*/cells")):
+        if other.parent == run_dir:
+            continue
+        for cid, result in load_results(other.parent).items():
+            if cid in wanted and cid not in found and result.get("cell") == wanted[cid]:
+                found[cid] = result
+    return found
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -499,8 +517,12 @@ def run_experiment(config: ExperimentConfig, runner: CellRunner, *, serial: bool
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     cells = expand(config)
     done = {k: v for k, v in load_results(run_dir).items() if k in {c.id for c in cells}}
+    reused = _reusable(config, run_dir, [c for c in cells if c.id not in done])
+    for cid, result in reused.items():
+        done[cid] = json.loads(_write_json(run_dir / "cells" / f"{cid}.json", result))
     todo = [c for c in cells if c.id not in done]
-    log(f"experiment {config.name}: {len(cells)} cells ({len(done)} already done) -> {run_dir}")
+    log(f"experiment {config.name}: {len(cells)} cells ({len(done) - len(reused)} already done, {len(reused)} "
+        f"reused from earlier runs of this experiment) -> {run_dir}")
     tracker = Tracker(config, run_dir, mode=wandb_mode, log=log)
     results = dict(done)
     failures: dict[str, dict[str, Any]] = {}

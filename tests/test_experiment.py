@@ -398,3 +398,22 @@ def test_run_options_before_or_after_the_subcommand():
         ns = parser.parse_args(argv)
         assert (ns.config, ns.serial, ns.no_wandb) == ("x.yaml", True, False), argv
     assert parser.parse_args([]).config is None  # the quickstart
+
+
+def test_adding_an_agent_reruns_only_its_cells(tmp_path):
+    quiet = dict(serial=True, progress=False, log=lambda m: None)
+    base = small(tmp_path, seeds=[0], capacities=[0.2], agents=["lru", "saecache"])
+    first = run_experiment(load_config(base, RUNNER), RUNNER, **quiet)
+    messages: list[str] = []
+    grown = run_experiment(load_config({**base, "agents": ["lru", "saecache", "belady"]}, RUNNER), RUNNER,
+                           serial=True, progress=False, log=messages.append)
+    assert grown.run_dir != first.run_dir and grown.resumed == 4 and len(grown.results) == 6
+    assert any("(0 already done, 4 reused from earlier runs" in m for m in messages)
+    for cid, result in first.results.items():
+        assert grown.results[cid] == result
+    # The same names over a different trace spec are not reused.
+    changed = {**base, "workloads": [{"name": "tiny", "trace": {"source": "synthetic", "preset": "tiny",
+                                                                "phases": [{"duration": 30.0, "rate": 1.0,
+                                                                            "mix": {"chat": 1.0}}]}}]}
+    other = run_experiment(load_config(changed, RUNNER), RUNNER, **quiet)
+    assert other.resumed == 0
