@@ -200,6 +200,14 @@ def _heap_less(hq, i, j):
 
 
 @_inline
+def _heap_swap(hq, i, j):
+    for f in range(4):
+        x = hq[i, f]
+        hq[i, f] = hq[j, f]
+        hq[j, f] = x
+
+
+@_inline
 def _heap_down(hq, i, size):
     while True:
         c = 2 * i + 1
@@ -209,10 +217,7 @@ def _heap_down(hq, i, size):
             c += 1
         if not _heap_less(hq, c, i):
             return
-        for f in range(4):
-            x = hq[i, f]
-            hq[i, f] = hq[c, f]
-            hq[c, f] = x
+        _heap_swap(hq, i, c)
         i = c
 
 
@@ -249,10 +254,7 @@ def _heap_push(hq, rec, sc, s, code):
         p = (i - 1) // 2
         if not _heap_less(hq, i, p):
             break
-        for f in range(4):
-            x = hq[i, f]
-            hq[i, f] = hq[p, f]
-            hq[p, f] = x
+        _heap_swap(hq, i, p)
         i = p
     sc[HSIZE] = size
 
