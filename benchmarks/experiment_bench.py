@@ -49,7 +49,8 @@ def main() -> int:
                                         "trace": {"source": "synthetic", "preset": args.preset, "seed": 0}}],
         "capacities": [args.capacity], "agents": [args.agent], "seeds": list(range(args.cells)), "window": 200,
         "serving": "instant", "wandb": {"mode": "disabled"}, "output": out}, runner)
-    quiet = dict(progress=False, report=False, log=lambda m: None)
+    # Each side computes every cell: no reuse of the other side's cells (they share the experiment's folder).
+    quiet = dict(progress=False, report=False, reuse=False, log=lambda m: None)
 
     t0 = time.perf_counter()
     serial = run_experiment(config, runner, serial=True, run_id="serial", **quiet)

@@ -211,6 +211,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     wandb_mode = "disabled" if args.no_wandb else args.wandb
     run = run_experiment(config, runners[0], serial=True if args.serial else None, ray_address=args.ray_address,
                          num_cpus=args.num_cpus, run_id=args.run_id or (_fresh_id(config) if args.fresh else None),
+                         reuse=not args.fresh,
                          wandb_mode=wandb_mode, progress=not args.no_progress)
     report = run.run_dir / "report.md"
     print(report.read_text())
@@ -236,7 +237,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-cpus", type=int, metavar="N", help="CPUs of the local Ray cluster (default: all)")
     p.add_argument("--run-id", help="name of the run folder under <output>/<experiment>/ (default: a hash of the "
                    "config, so rerunning the same config resumes it)")
-    p.add_argument("--fresh", action="store_true", help="start a new run folder instead of resuming")
+    p.add_argument("--fresh", action="store_true", help="compute every cell again in a new run folder (no resuming, "
+                   "no reuse of earlier runs' cells; e.g. after changing the code)")
     p.add_argument("--output", metavar="DIR", help="output folder (default: the config's 'output', runs)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a top-level config key (YAML "
                    "value), e.g. --set seeds=[0,1,2] --set window=50")

@@ -501,11 +501,13 @@ def _failure(cell: Cell, error: BaseException, attempts: int) -> dict[str, Any]:
 def run_experiment(config: ExperimentConfig, runner: CellRunner, *, serial: bool | None = None,
                    ray_address: str | None = None, num_cpus: int | None = None, run_id: str | None = None,
                    wandb_mode: str | None = None, progress: bool = True, report: bool = True,
-                   log: Callable[[str], None] | None = None) -> ExperimentRun:
+                   reuse: bool = True, log: Callable[[str], None] | None = None) -> ExperimentRun:
     """Run every unfinished cell of ``config`` and write the run folder; see the module docstring.
 
     ``serial`` / ``ray_address`` / ``num_cpus`` / ``wandb_mode`` override the config's ``ray`` and ``wandb``
-    sections; ``run_id`` names the run folder (default: the config's results hash, so reruns resume).
+    sections; ``run_id`` names the run folder (default: the config's results hash, so reruns resume); ``reuse``
+    copies identical finished cells from the experiment's other run folders (off: every cell not in this folder is
+    computed, e.g. after a code change).
     """
     from sae_env.tracking import Tracker
 
@@ -517,7 +519,7 @@ def run_experiment(config: ExperimentConfig, runner: CellRunner, *, serial: bool
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     cells = expand(config)
     done = {k: v for k, v in load_results(run_dir).items() if k in {c.id for c in cells}}
-    reused = _reusable(config, run_dir, [c for c in cells if c.id not in done])
+    reused = _reusable(config, run_dir, [c for c in cells if c.id not in done]) if reuse else {}
     for cid, result in reused.items():
         done[cid] = json.loads(_write_json(run_dir / "cells" / f"{cid}.json", result))
     todo = [c for c in cells if c.id not in done]

@@ -417,3 +417,14 @@ def test_adding_an_agent_reruns_only_its_cells(tmp_path):
                                                                             "mix": {"chat": 1.0}}]}}]}
     other = run_experiment(load_config(changed, RUNNER), RUNNER, **quiet)
     assert other.resumed == 0
+
+
+def test_fresh_computes_every_cell_again(tmp_path, capsys):
+    path = tmp_path / "exp.yaml"
+    path.write_text(json.dumps(small(tmp_path, seeds=[0], capacities=[0.2], agents=["lru"])))
+    args = ["run", "--config", str(path), "--serial", "--no-wandb", "--no-progress"]
+    assert cli_main(args) == 0 and cli_main(args) == 0
+    assert "2 cells (2 already done, 0 reused" in capsys.readouterr().err
+    assert cli_main([*args, "--fresh"]) == 0
+    assert "2 cells (0 already done, 0 reused" in capsys.readouterr().err
+    assert len(list((tmp_path / "runs" / "small").iterdir())) == 2
