@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from agents.base import BaseAgent
+from sae_env.files import parse_document
 
 __all__ = ["BaselineAgent", "FixedAgent", "load_params", "save_params"]
 
@@ -33,19 +34,7 @@ def load_params(path: str | os.PathLike) -> dict[str, float]:
     kind = path.suffix.lower()
     if kind not in (".json", ".yaml", ".yml"):
         raise ValueError(f"{path}: parameter files must be .json, .yaml or .yml")
-    text = path.read_text()
-    if kind == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: malformed JSON at line {e.lineno} ({e.msg})") from None
-    else:
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: malformed YAML ({e})") from None
+    data = parse_document(path.read_text(), kind, str(path))
     if isinstance(data, Mapping) and isinstance(data.get("params"), Mapping):
         data = data["params"]
     if not isinstance(data, Mapping):

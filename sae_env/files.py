@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["json_default", "read_mapping", "write_json"]
+__all__ = ["json_default", "parse_document", "read_mapping", "write_json"]
 
 
 def json_default(o: Any) -> Any:
@@ -38,26 +38,35 @@ def write_json(path: str | os.PathLike, obj: Any, indent: int = 2, allow_nan: bo
     return text
 
 
+def parse_document(text: str, kind: str, where: str) -> Any:
+    """Parse a JSON (``kind == ".json"``) or YAML document; ValueError naming ``where`` (and the line, for JSON)."""
+    if kind == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: line {e.lineno}: malformed JSON ({e.msg})") from None
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{where}: malformed YAML ({e})") from None
+
+
 def read_mapping(source: str | os.PathLike, what: str, inline: bool = False) -> tuple[dict[str, Any], str]:
     """The mapping in a YAML / JSON file, or (``inline``) in the text itself when it names no file.
 
     Returns the mapping (an empty file is ``{}``) and where it came from (the path, or ``what``, for messages).
     FileNotFoundError for a missing file, ValueError for malformed YAML or a top level that is not a mapping.
     """
-    import yaml
-
     path = Path(source)
     is_file = not inline or path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists()
     if is_file:
         if not path.exists():
             raise FileNotFoundError(f"{what}: no such file {path}")
-        text, where = path.read_text(), str(path)
+        data, where = parse_document(path.read_text(), path.suffix.lower(), str(path)), str(path)
     else:
-        text, where = str(source), what
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ValueError(f"{where}: malformed YAML ({e})") from None
+        data, where = parse_document(str(source), ".yaml", what), what
     if data is None:
         data = {}
     if not isinstance(data, Mapping):

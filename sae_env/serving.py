@@ -91,7 +91,6 @@ from __future__ import annotations
 
 import bisect
 import csv
-import json
 import math
 import os
 from collections import deque
@@ -101,6 +100,8 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
+
+from sae_env.files import parse_document
 
 __all__ = [
     "GPUS",
@@ -497,18 +498,7 @@ class CalibrationTable:
         with open_text(path) as f:
             if kind == ".csv":
                 return cls._from_csv(f, str(path), decode_model)
-            if kind == ".json":
-                try:
-                    doc = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}: line {e.lineno}: malformed JSON ({e.msg})") from e
-            else:
-                import yaml
-
-                try:
-                    doc = yaml.safe_load(f)
-                except yaml.YAMLError as e:
-                    raise ValueError(f"{path}: malformed YAML ({e})") from e
+            doc = parse_document(f.read(), kind, str(path))
         return cls._from_doc(doc, str(path), decode_model)
 
     _COLUMNS = ("new_tokens", "cached_tokens", "time_s", "time_ms")
