@@ -390,10 +390,6 @@ class Cell:
         load = "" if self.load is None else f"__load{self.load:g}"
         return _slug(f"{self.workload}__cap{self.capacity}{load}__{self.agent}__s{self.seed}")
 
-    @property
-    def trace_key(self) -> tuple[str, int]:
-        return self.workload, self.seed
-
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]", "_", text)
@@ -566,21 +562,26 @@ def run_experiment(config: ExperimentConfig, runner: CellRunner, *, serial: bool
     return run
 
 
-def _build_traces(config: ExperimentConfig, cells: list[Cell], log: Callable[[str], None]) -> dict:
+def _trace_key(config: ExperimentConfig, cell: Cell) -> str:
+    """The cell's trace spec, canonical: cells whose specs are equal (a data workload under every seed) share one
+    trace, built once and put once into Ray's object store."""
+    workload = next(w for w in config.workloads if w.name == cell.workload)
+    return json.dumps(workload.spec_for(cell.seed), sort_keys=True)
+
+
+def _build_traces(config: ExperimentConfig, cells: list[Cell], log: Callable[[str], None]) -> dict[str, Trace]:
     from sae_env.sources import trace_from_spec
 
-    workloads = {w.name: w for w in config.workloads}
-    traces: dict[tuple[str, int], Trace] = {}
-    for key in dict.fromkeys(c.trace_key for c in cells):
-        name, seed = key
-        if not workloads[name].reseed and any(k[0] == name for k in traces):  # data: one trace for every seed
-            traces[key] = next(t for k, t in traces.items() if k[0] == name)
+    traces: dict[str, Trace] = {}
+    for cell in cells:
+        key = _trace_key(config, cell)
+        if key in traces:
             continue
         try:
-            trace, _ = trace_from_spec(workloads[name].spec_for(seed))
+            trace, _ = trace_from_spec(json.loads(key))
         except (ValueError, OSError) as e:
-            raise ConfigError(f"workload {name!r}: {e}") from None
-        log(f"workload {name} (seed {seed}): {len(trace)} requests, {trace.n_blocks} prompt blocks, "
+            raise ConfigError(f"workload {cell.workload!r}: {e}") from None
+        log(f"workload {cell.workload} ({key}): {len(trace)} requests, {trace.n_blocks} prompt blocks, "
             f"{trace.distinct_blocks()} distinct")
         traces[key] = trace
     return traces
@@ -608,7 +609,7 @@ def _run_serial(config: ExperimentConfig, runner: CellRunner, todo: list[Cell], 
         task = cell_task(config, cell)
         for attempt in range(1, config.ray.retries + 2):
             try:
-                result = _run_one(runner, task, traces[cell.trace_key])
+                result = _run_one(runner, task, traces[_trace_key(config, cell)])
             except Exception as e:  # a cell's failure must not lose the others
                 if attempt == config.ray.retries + 1:
                     failures[cell.id] = _failure(cell, e, attempt)
@@ -629,8 +630,10 @@ def _run_on_ray(config: ExperimentConfig, runner: CellRunner, todo: list[Cell], 
         task_fn = ray.remote(num_cpus=1, max_retries=config.ray.retries, retry_exceptions=True)(_run_one)
         runner_ref = ray.put(runner)
         trace_refs = {key: ray.put(trace) for key, trace in traces.items()}  # once each, shared by its cells
-        pending = {task_fn.remote(runner_ref, cell_task(config, cell), trace_refs[cell.trace_key], True): cell
-                   for cell in todo}
+        pending = {}
+        for cell in todo:
+            ref = task_fn.remote(runner_ref, cell_task(config, cell), trace_refs[_trace_key(config, cell)], True)
+            pending[ref] = cell
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
