@@ -189,13 +189,17 @@ def apply_load(trace: Trace, serving: str, target: float) -> Trace:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run an experiment config (default: the quickstart); print its tables; exit 1 if a cell failed."""
-    from sae_env.experiment import load_config, run_experiment
+    from sae_env.experiment import ConfigError, is_ppo_config, load_config, run_experiment
+    from sae_env.files import read_mapping
 
     path = Path(args.config) if args.config else DEFAULT_CONFIG
     if not path.exists():
         raise UsageError(f"config file {path} does not exist (shipped configs: configs/*.yaml)")
-    data = yaml.safe_load(path.read_text()) if path.suffix in (".yaml", ".yml") else None
-    if isinstance(data, dict) and "ppo" in data and "workloads" not in data:  # a PPO training config
+    try:
+        data, where = read_mapping(path, "config")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if is_ppo_config(data):
         print(f"{path} is a PPO training config: running `train.py ppo --config {path}`", file=sys.stderr)
         parser = build_parser(args.extensions)
         ns = parser.parse_args(["ppo", "--config", str(path)])
@@ -207,7 +211,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     overrides = parse_options(args.set)
     if args.output:
         overrides["output"] = args.output
-    config = load_config(path, runners[0], overrides)
+    config = load_config(data, runners[0], overrides, where=where)
     wandb_mode = "disabled" if args.no_wandb else args.wandb
     run = run_experiment(config, runners[0], serial=True if args.serial else None, ray_address=args.ray_address,
                          num_cpus=args.num_cpus, run_id=args.run_id or (_fresh_id(config) if args.fresh else None),

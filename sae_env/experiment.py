@@ -59,7 +59,8 @@ from sae_env.files import read_mapping, write_json
 from sae_env.trace import Trace
 
 __all__ = ["AgentSpec", "Cell", "CellRunner", "ConfigError", "ExperimentConfig", "ExperimentRun", "RayConfig",
-           "ServingConfig", "WandbConfig", "WorkloadSpec", "expand", "load_config", "load_results", "run_experiment"]
+           "ServingConfig", "WandbConfig", "WorkloadSpec", "expand", "is_ppo_config", "load_config", "load_results",
+           "run_experiment"]
 
 GENERATED_SOURCES = frozenset({"synthetic", "mix"})  # sources whose trace comes from a seed
 WANDB_MODES = ("offline", "online", "disabled")
@@ -350,20 +351,24 @@ def _check_capacity(c: Any) -> None:
                           "blocks such as 0.15, '15%', or KV bytes such as '2GiB')")
 
 
+def is_ppo_config(data: Mapping[str, Any]) -> bool:
+    """A PPO training config (``train.py ppo --config``), not an experiment: it has ``ppo`` and no workloads."""
+    return "ppo" in data and "workloads" not in data
+
+
 def load_config(source: str | os.PathLike | Mapping[str, Any], runner: CellRunner | None = None,
-                overrides: Mapping[str, Any] | None = None) -> ExperimentConfig:
-    """An :class:`ExperimentConfig` from a YAML file (or a mapping); ``overrides`` replace top-level keys."""
+                overrides: Mapping[str, Any] | None = None, where: str | None = None) -> ExperimentConfig:
+    """An :class:`ExperimentConfig` from a YAML file or a mapping (read from ``where``, for messages);
+    ``overrides`` replace top-level keys."""
     if isinstance(source, Mapping):
-        data, where = dict(source), "config"
+        data, where = dict(source), where or "config"
     else:
         try:
             data, where = read_mapping(source, "config")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if "ppo" in data and "workloads" not in data:
-            raise ConfigError(f"{where} is a PPO training config: run it with `python train.py ppo --config {where}`")
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: expected a mapping of experiment keys ({', '.join(_TOP_KEYS)})")
+    if is_ppo_config(data):
+        raise ConfigError(f"{where} is a PPO training config: run it with `python train.py ppo --config {where}`")
     data = {**data, **(overrides or {})}
     try:
         return ExperimentConfig.from_dict(data, runner, where)
