@@ -1,9 +1,10 @@
-"""FastEngine: the instant-mode replay of the parameterless baselines (``lru``, ``lfu``, ``fifo``), compiled.
+"""FastEngine: the instant-mode replay of the baselines ``lru``, ``lfu``, ``fifo`` and ``s3fifo``, compiled.
 
-:class:`~sae_env.replay.Replay` uses this engine by itself when it applies (instant mode, one of these three policy
-classes exactly, a fresh cache, no per-request invariant checks, numba importable); ``engine="python"`` forces the
-generic loop. The engine is the same algorithm as :meth:`sae_env.cache.PrefixCache.serve` with the policy's hooks
-inlined, over numeric arrays instead of :class:`~sae_env.cache.Block` objects, so that numba can compile it:
+:class:`~sae_env.replay.Replay` uses this engine by itself when it applies (instant mode, one of these four policy
+classes exactly (s3fifo with whole-number ``move_to_main`` and ``max_freq``), a fresh cache, no per-request
+invariant checks, numba importable); ``engine="python"`` forces the generic loop. The engine is the same algorithm
+as :meth:`sae_env.cache.PrefixCache.serve` with the policy's hooks inlined, over numeric arrays instead of
+:class:`~sae_env.cache.Block` objects, so that numba can compile it:
 
 * **Dense ids.** Every prompt and output key of the trace is mapped once to a dense id (first-seen order, an
   open-addressing hash table), and a request that names one key twice is detected there (the engine then declines:
@@ -29,13 +30,18 @@ inlined, over numeric arrays instead of :class:`~sae_env.cache.Block` objects, s
   ``(insertion order, 0)`` for ``fifo``, fixed when the block becomes evictable; ``seq`` counts pushes exactly as
   ``KeyedPolicy._seq`` does, so ties break identically. Stale entries are squeezed out when the heap array is full,
   which changes no pop order (pops follow the total order of ``(a, b, seq)``).
+  ``s3fifo`` keeps its small and main FIFOs as singly linked lists (they are popped only at the oldest end; a
+  block returning from the parked set goes to the oldest end of M), the frequency in ``PDATA``, the queue (S, M or
+  parked) in ``QUEUE``, and its own ghost of keys evicted from S as a ring with lazy deletion like the cache's
+  ghost record; :func:`_s3fifo_victim` is ``S3FIFOPolicy.evict`` line for line, budget included.
 
 Equivalence: every window's statistics (hits per request, evictions, bypasses, insertions, misses after eviction
-by type and queue, occupancy by type) equal the Python engine's exactly, which ``tests/test_fast_engine.py`` checks
-hit for hit. :meth:`FastEngine.hand_over` rebuilds the Python cache, ghosts and policy state from the arrays
-(blocks, parents, depths, pins, hits, last access, stamps, release / insertion orders, LRU queue order, valid heap
-entries, ghost order), so that a replay can continue on the Python engine from any window boundary; only the
-iteration order of ``PrefixCache.blocks`` (a plain dict, which no decision depends on) differs.
+by type and queue, occupancy by type and queue) equal the Python engine's exactly, which
+``tests/test_fast_engine.py`` checks hit for hit. :meth:`FastEngine.hand_over` rebuilds the Python cache, ghosts
+and policy state from the arrays (blocks, parents, depths, pins, hits, last access, stamps, release / insertion
+orders, LRU queue order, valid heap entries, S3-FIFO's queues, frequencies, parked set and ghost, ghost order), so
+that a replay can continue on the Python engine from any window boundary; only the iteration order of
+``PrefixCache.blocks`` (a plain dict, which no decision depends on) differs.
 
 numba is optional (``pip install saecache-gym[fast]``): without it :data:`AVAILABLE` is False and the replay falls
 back to the Python engine.
@@ -73,20 +79,30 @@ except ImportError:  # pragma: no cover - exercised only where numba is not inst
 __all__ = ["AVAILABLE", "FastEngine", "policy_code", "unsupported_reason"]
 
 # Policy codes of the kernel.
-LRU, LFU, FIFO = 0, 1, 2
+LRU, LFU, FIFO, S3FIFO = 0, 1, 2, 3
 
 # Columns of a slot's record: one int32 row of 16 (64 bytes, one cache line) holds everything a block needs, so
 # that touching a block costs one memory access. Every count fits 32 bits: the engine declines traces of 2**30
 # references or more (hits, pushes, releases and insertions are bounded by twice the references).
-KEY, PARENT, NCHILD, PREV, NEXT, HITS, STAMP, PDATA, LASTREQ, BTYPE, PIN = range(11)
+KEY, PARENT, NCHILD, PREV, NEXT, HITS, STAMP, PDATA, LASTREQ, BTYPE, PIN, QUEUE = range(12)
 RECORD = 16
 MAX_REFS = 2**30
 # Scalars: cached blocks, LRU free-list head and tail, heap size, pushes (KeyedPolicy._seq), the policy's counter
-# (LFU releases / FIFO insertions), ghost ring tail (oldest) and head (next free position), live ghosts.
+# (LFU releases / FIFO insertions), ghost ring tail (oldest) and head (next free position), live ghosts; then
+# S3-FIFO's small queue S and main queue M (head = oldest, tail, length) and its own ghost ring (tail, head, live).
 N, HEAD, TAIL, HSIZE, SEQ, COUNTER, GTAIL, GHEAD, GLIVE = range(9)
-N_SCALARS = 9
-# Window counters: evictions, bypasses, insertions, then misses after eviction per TokenType.
+SHEAD, STAIL, SLEN, MHEAD, MTAIL, MLEN, PGTAIL, PGHEAD, PGLIVE = range(9, 18)
+N_SCALARS = 18
+# S3-FIFO's parameters (``pp``): S's share in blocks, its ghost's size, the move-to-main threshold, the frequency cap.
+SMALL_TARGET, GHOST_SIZE, MOVE_TO_MAIN, MAX_FREQ = range(4)
+# A block's QUEUE column under S3-FIFO: S, M, or parked outside the queues (it has cached children; its queue id
+# is M's, as in the Python policy).
+Q_SMALL, Q_MAIN, Q_PARKED = 0, 1, 2
+# Window counters: evictions, bypasses, insertions, misses after eviction per TokenType, then per queue id (the
+# ghost record keeps ``queue * 8 + type`` per key, as PrefixCache.ghosts does).
 EVICTIONS, BYPASSES, INSERTED, MAE = 0, 1, 2, 3
+MAEQ = MAE + N_TOKEN_TYPES
+N_QUEUE_IDS = 8
 
 
 def policy_code(policy: object) -> int | None:
@@ -95,8 +111,9 @@ def policy_code(policy: object) -> int | None:
     from sae_env.policies.fifo import FIFOPolicy
     from sae_env.policies.lfu import LFUPolicy
     from sae_env.policies.lru import LRUPolicy
+    from sae_env.policies.s3fifo import S3FIFOPolicy
 
-    return {LRUPolicy: LRU, LFUPolicy: LFU, FIFOPolicy: FIFO}.get(type(policy))
+    return {LRUPolicy: LRU, LFUPolicy: LFU, FIFOPolicy: FIFO, S3FIFOPolicy: S3FIFO}.get(type(policy))
 
 
 def unsupported_reason(cache: PrefixCache) -> str | None:
@@ -105,11 +122,15 @@ def unsupported_reason(cache: PrefixCache) -> str | None:
         return "numba is not installed (pip install 'saecache-gym[fast]')"
     policy = cache.policy
     if policy_code(policy) is None:
-        return f"policy {policy.name!r} ({type(policy).__name__}) has no compiled engine (only lru, lfu, fifo)"
+        return (f"policy {policy.name!r} ({type(policy).__name__}) has no compiled engine (only lru, lfu, fifo, "
+                "s3fifo)")
     if len(cache.blocks) or cache.ghosts:
         return "the cache is not fresh (it already holds blocks or ghosts)"
-    if getattr(policy, "_seq", 0) or getattr(policy, "_free", None):
+    if any(getattr(policy, a, None) for a in ("_seq", "_free", "_small", "_main", "_ghost", "_parked")):
         return "the policy is not fresh"
+    if policy_code(policy) == S3FIFO and not all(float(getattr(policy, a)).is_integer() and getattr(policy, a) >= 0
+                                                 for a in ("move_to_main", "max_freq")):
+        return "s3fifo's move_to_main and max_freq must be whole numbers >= 0 for the compiled engine"
     if cache.capacity >= MAX_REFS or cache.ghost_capacity >= MAX_REFS:
         return "the capacity does not fit 32-bit slot numbers"
     return None
@@ -191,6 +212,115 @@ def _lru_append(rec, sc, s):
 
 
 @_inline
+def _q_push_back(rec, sc, s, head, tail, length):
+    """Append slot ``s`` to a singly linked FIFO (S3-FIFO's queues are only ever popped at the head)."""
+    rec[s, NEXT] = -1
+    t = sc[tail]
+    if t >= 0:
+        rec[t, NEXT] = s
+    else:
+        sc[head] = s
+    sc[tail] = s
+    sc[length] += 1
+
+
+@_inline
+def _q_push_front(rec, sc, s, head, tail, length):
+    h = sc[head]
+    rec[s, NEXT] = h
+    sc[head] = s
+    if h < 0:
+        sc[tail] = s
+    sc[length] += 1
+
+
+@_inline
+def _q_pop_front(rec, sc, head, tail, length):
+    s = sc[head]
+    n = rec[s, NEXT]
+    sc[head] = n
+    if n < 0:
+        sc[tail] = -1
+    sc[length] -= 1
+    return s
+
+
+@_inline
+def _pg_take(pgid, pg_pos, sc, k):
+    """S3-FIFO's ghost: if key id ``k`` is in it, remove it and return True (``key in _ghost: del``)."""
+    p = pg_pos[k]
+    if sc[PGTAIL] <= p < sc[PGHEAD] and pgid[p] == k:
+        pgid[p] = -1
+        sc[PGLIVE] -= 1
+        return True
+    return False
+
+
+@_inline
+def _pg_add(pgid, pg_pos, sc, k, size):
+    """S3-FIFO's ghost: append key id ``k``, dropping the oldest when it holds more than ``size``. A ring with lazy
+    deletion, as the cache's ghost record: an entry is live while ``pg_pos`` of its key names it."""
+    if sc[PGHEAD] == pgid.size:
+        w = 0
+        for i in range(sc[PGTAIL], sc[PGHEAD]):
+            g = pgid[i]
+            if g >= 0:
+                pgid[w] = g
+                pg_pos[g] = w
+                w += 1
+        sc[PGTAIL] = 0
+        sc[PGHEAD] = w
+    h = sc[PGHEAD]
+    pgid[h] = k
+    pg_pos[k] = h
+    sc[PGHEAD] = h + 1
+    sc[PGLIVE] += 1
+    if sc[PGLIVE] > size:
+        t = sc[PGTAIL]
+        while pgid[t] < 0:
+            t += 1
+        pgid[t] = -1
+        sc[PGTAIL] = t + 1
+        sc[PGLIVE] -= 1
+
+
+@_inline
+def _s3fifo_victim(rec, sc, pp, pgid, pg_pos):
+    """S3FIFOPolicy.evict: the victim's slot (-1 if none), moving, parking and ageing blocks on the way."""
+    small_target = pp[SMALL_TARGET]
+    budget = (pp[MAX_FREQ] + 2) * (sc[SLEN] + sc[MLEN]) + 1
+    pinned_in_main = 0
+    while budget > 0 and (sc[SLEN] > 0 or sc[MLEN] > 0):
+        budget -= 1
+        if sc[SLEN] > 0 and (sc[SLEN] >= small_target or sc[MLEN] == 0 or pinned_in_main >= sc[MLEN]):
+            s = _q_pop_front(rec, sc, SHEAD, STAIL, SLEN)
+            if rec[s, NCHILD] > 0:
+                rec[s, QUEUE] = Q_PARKED
+                continue
+            if rec[s, PDATA] >= pp[MOVE_TO_MAIN] or rec[s, PIN] > 0:
+                rec[s, QUEUE] = Q_MAIN
+                _q_push_back(rec, sc, s, MHEAD, MTAIL, MLEN)
+                continue
+            _pg_add(pgid, pg_pos, sc, rec[s, KEY], pp[GHOST_SIZE])
+            return s
+        s = _q_pop_front(rec, sc, MHEAD, MTAIL, MLEN)
+        if rec[s, NCHILD] > 0:
+            rec[s, QUEUE] = Q_PARKED
+            continue
+        if rec[s, PIN] > 0:
+            _q_push_back(rec, sc, s, MHEAD, MTAIL, MLEN)
+            pinned_in_main += 1
+            continue
+        pinned_in_main = 0
+        if rec[s, PDATA] > 0:
+            rec[s, PDATA] -= 1
+            _q_push_back(rec, sc, s, MHEAD, MTAIL, MLEN)
+            continue
+        return s
+    return -1
+
+
+@_inline
 def _heap_less(hq, i, j):
     if hq[i, 0] != hq[j, 0]:
         return hq[i, 0] < hq[j, 0]
@@ -260,10 +390,12 @@ def _heap_push(hq, rec, sc, s, code):
 
 
 @_inline
-def _evict(rec, sc, hq, slot_of, gid, gty, cnt, occ, code, ghost_cap):
+def _evict(rec, sc, hq, slot_of, gid, gty, cnt, occ, code, ghost_cap, pp, pgid, pg_pos):
     """Choose and remove a victim (policy.evict + PrefixCache._evict_one); returns its slot, -1 if none."""
     v = -1
-    if code == LRU:
+    if code == S3FIFO:
+        v = _s3fifo_victim(rec, sc, pp, pgid, pg_pos)
+    elif code == LRU:
         s = sc[HEAD]
         while s >= 0:
             if rec[s, NCHILD] == 0:
@@ -293,8 +425,13 @@ def _evict(rec, sc, hq, slot_of, gid, gty, cnt, occ, code, ghost_cap):
     p = rec[v, PARENT]
     if p >= 0:
         rec[p, NCHILD] -= 1
-        if rec[p, NCHILD] == 0 and code != LRU and rec[p, PIN] == 0:
-            _heap_push(hq, rec, sc, p, code)  # KeyedPolicy.on_leaf (LRU's queue already holds it)
+        if rec[p, NCHILD] == 0:
+            if code == S3FIFO:
+                if rec[p, QUEUE] == Q_PARKED:  # S3FIFOPolicy.on_leaf: back, at M's oldest end
+                    rec[p, QUEUE] = Q_MAIN
+                    _q_push_front(rec, sc, p, MHEAD, MTAIL, MLEN)
+            elif code != LRU and rec[p, PIN] == 0:
+                _heap_push(hq, rec, sc, p, code)  # KeyedPolicy.on_leaf (LRU's queue already holds it)
     cnt[EVICTIONS] += 1
     if ghost_cap > 0:
         if sc[GHEAD] == gid.size:
@@ -312,7 +449,7 @@ def _evict(rec, sc, hq, slot_of, gid, gty, cnt, occ, code, ghost_cap):
             sc[GHEAD] = w
         h = sc[GHEAD]
         gid[h] = key
-        gty[h] = rec[v, BTYPE]
+        gty[h] = rec[v, QUEUE] * 8 + rec[v, BTYPE] if code == S3FIFO else rec[v, BTYPE]
         slot_of[key] = -2 - h
         sc[GHEAD] = h + 1
         sc[GLIVE] += 1
@@ -330,7 +467,7 @@ def _evict(rec, sc, hq, slot_of, gid, gty, cnt, occ, code, ghost_cap):
 
 @_jit
 def _run_window(a, b, po, oo, n_pr, ids, types, times, cache_outputs, code, capacity, ghost_cap, rec, sc, hq,
-                slot_of, gid, gty, occ, cnt, hits_out, path):
+                slot_of, gid, gty, occ, cnt, hits_out, path, pp, pgid, pg_pos):
     """Serve requests ``a..b-1`` (PrefixCache.serve each); fills ``hits_out`` and the window counters ``cnt``.
 
     ``ids`` / ``types``: the prompt references, then the output references (request ``j``'s outputs at
@@ -351,9 +488,12 @@ def _run_window(a, b, po, oo, n_pr, ids, types, times, cache_outputs, code, capa
             path[plen] = s
             plen += 1
         n_hit = plen
-        for i in range(n_hit):  # on_acquire: no longer evictable
-            if code == LRU:
+        for i in range(n_hit):
+            if code == LRU:  # on_acquire: no longer evictable
                 _lru_unlink(rec, sc, path[i])
+            elif code == S3FIFO:  # on_hit: frequency + 1, capped (S3-FIFO keeps pinned blocks in their queue)
+                if rec[path[i], PDATA] < pp[MAX_FREQ]:
+                    rec[path[i], PDATA] += 1
             else:
                 rec[path[i], STAMP] = 0
         for part in range(2):  # PrefixCache._insert_run: the missing prompt blocks, then the outputs
@@ -373,7 +513,10 @@ def _run_window(a, b, po, oo, n_pr, ids, types, times, cache_outputs, code, capa
                     # Only possible for an output key that another request cached: share it (a hit for the block).
                     if rec[s, PARENT] != parent:
                         break  # a different chain reached the same key: stop rather than corrupt
-                    if rec[s, PIN] == 0:
+                    if code == S3FIFO:
+                        if rec[s, PDATA] < pp[MAX_FREQ]:
+                            rec[s, PDATA] += 1
+                    elif rec[s, PIN] == 0:
                         if code == LRU:
                             _lru_unlink(rec, sc, s)
                         else:
@@ -389,11 +532,12 @@ def _run_window(a, b, po, oo, n_pr, ids, types, times, cache_outputs, code, capa
                     g = -2 - s
                     if sc[GTAIL] <= g < sc[GHEAD] and gid[g] == k:
                         # A ghost: looked up before evicting, which could push it out of a full ghost record.
-                        cnt[MAE + gty[g]] += 1
+                        cnt[MAE + (gty[g] & 7)] += 1
+                        cnt[MAEQ + (gty[g] >> 3)] += 1
                         gid[g] = -1
                         sc[GLIVE] -= 1
                 if sc[N] >= capacity:
-                    s = _evict(rec, sc, hq, slot_of, gid, gty, cnt, occ, code, ghost_cap)
+                    s = _evict(rec, sc, hq, slot_of, gid, gty, cnt, occ, code, ghost_cap, pp, pgid, pg_pos)
                     if s < 0:
                         slot_of[k] = -1
                         cnt[BYPASSES] += x1 - x
@@ -414,6 +558,14 @@ def _run_window(a, b, po, oo, n_pr, ids, types, times, cache_outputs, code, capa
                 if code == FIFO:
                     sc[COUNTER] += 1
                     rec[s, PDATA] = sc[COUNTER]
+                elif code == S3FIFO:  # on_insert: to M if its key is in S3-FIFO's ghost, else to S
+                    rec[s, PDATA] = 0
+                    if _pg_take(pgid, pg_pos, sc, k):
+                        rec[s, QUEUE] = Q_MAIN
+                        _q_push_back(rec, sc, s, MHEAD, MTAIL, MLEN)
+                    else:
+                        rec[s, QUEUE] = Q_SMALL
+                        _q_push_back(rec, sc, s, SHEAD, STAIL, SLEN)
                 occ[t] += 1
                 if parent >= 0:
                     rec[parent, NCHILD] += 1
@@ -425,6 +577,8 @@ def _run_window(a, b, po, oo, n_pr, ids, types, times, cache_outputs, code, capa
         for i in range(plen - 1, -1, -1):
             s = path[i]
             rec[s, PIN] = 0
+            if code == S3FIFO:
+                continue
             if code == LRU:
                 _lru_append(rec, sc, s)
             else:
@@ -445,7 +599,8 @@ class FastEngine:
     """
 
     def __init__(self, code: int, capacity: int, ghost_capacity: int, cache_outputs: bool, trace: Trace,
-                 ids: np.ndarray, uniq: np.ndarray, max_path: int):
+                 ids: np.ndarray, uniq: np.ndarray, max_path: int,
+                 s3fifo_params: tuple[int, int, int, int] = (1, 1, 1, 3)):
         self.code = code
         self.capacity = capacity
         self.ghost_capacity = max(0, ghost_capacity)
@@ -459,13 +614,18 @@ class FastEngine:
         self.sc = np.zeros(N_SCALARS, dtype=np.int64)
         self.sc[HEAD] = self.sc[TAIL] = -1
         # Valid heap entries <= capacity; twice that keeps squeezes rare (lru needs no heap).
-        self.hq = np.zeros((2 * c + 2 if code != LRU else 1, 4), dtype=np.int32)
+        self.hq = np.zeros((2 * c + 2 if code in (LFU, FIFO) else 1, 4), dtype=np.int32)
         self.slot_of = np.full(uniq.size, -1, dtype=np.int32)
+        self.sc[[SHEAD, STAIL, MHEAD, MTAIL]] = -1
+        # S3-FIFO: its parameters, its ghost ring (twice its size, as the cache's) and each key's position there.
+        self.pp = np.array(s3fifo_params, dtype=np.int64)
+        self.pgid = np.full(2 * s3fifo_params[GHOST_SIZE] + 2 if code == S3FIFO else 1, -1, dtype=np.int32)
+        self.pg_pos = np.full(uniq.size if code == S3FIFO else 1, -1, dtype=np.int32)
         g = 2 * self.ghost_capacity + 2 if self.ghost_capacity else 1
         self.gid = np.full(g, -1, dtype=np.int32)
         self.gty = np.zeros(g, dtype=np.uint8)
         self.occ = np.zeros(N_TOKEN_TYPES, dtype=np.int64)
-        self.cnt = np.zeros(MAE + N_TOKEN_TYPES, dtype=np.int64)
+        self.cnt = np.zeros(MAEQ + N_QUEUE_IDS, dtype=np.int64)
         self.path = np.zeros(max(1, max_path), dtype=np.int32)
 
     @classmethod
@@ -491,20 +651,32 @@ class FastEngine:
             return None
         lens = np.diff(trace.prompt_offsets) + np.diff(trace.output_offsets)
         max_path = int(lens.max()) if lens.size else 0
-        return cls(code, cache.capacity, cache.ghost_capacity, cache.cache_outputs, trace, ids, uniq, max_path)
+        pp = (1, 1, 1, 3)
+        if code == S3FIFO:
+            pol = cache.policy
+            pp = (pol._small_target, pol._ghost_size, int(pol.move_to_main), int(pol.max_freq))
+        return cls(code, cache.capacity, cache.ghost_capacity, cache.cache_outputs, trace, ids, uniq, max_path, pp)
 
     # -- replay --------------------------------------------------------------------------------------------------
     def run_window(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Serve requests ``a..b-1``; returns (hit blocks per request, counters: evictions, bypasses, inserted,
-        misses after eviction per TokenType)."""
+        misses after eviction per TokenType (from ``MAE``), then per queue id (from ``MAEQ``))."""
         tr = self.trace
         hits = np.empty(b - a, dtype=np.int64)
         cnt = self.cnt
         cnt[:] = 0
         _run_window(a, b, tr.prompt_offsets, tr.output_offsets, tr.n_blocks, self.ids, self.types, tr.t,
                     self.cache_outputs, self.code, self.capacity, self.ghost_capacity, self.rec, self.sc, self.hq,
-                    self.slot_of, self.gid, self.gty, self.occ, cnt, hits, self.path)
+                    self.slot_of, self.gid, self.gty, self.occ, cnt, hits, self.path, self.pp, self.pgid, self.pg_pos)
         return hits, cnt.copy()
+
+    def occupancy_by_queue(self) -> dict[int, int]:
+        """As the policy's ``occupancy_by_queue``: S3-FIFO reports S and M (parked blocks count in M), even when
+        empty; the others hold every block in queue 0."""
+        n = len(self)
+        if self.code == S3FIFO:
+            return {Q_SMALL: int(self.sc[SLEN]), Q_MAIN: n - int(self.sc[SLEN])}
+        return {0: n} if n else {}
 
     def __len__(self) -> int:
         return int(self.sc[N])
@@ -518,7 +690,7 @@ class FastEngine:
         """Bytes of the cache state (slot records, heap, ghosts, per-key slot and key arrays; not the per-reference
         ids and types, which belong to the trace)."""
         return sum(a.nbytes for a in (self.rec, self.sc, self.hq, self.slot_of, self.gid, self.gty, self.occ,
-                                      self.cnt, self.path, self.uniq))
+                                      self.cnt, self.path, self.uniq, self.pp, self.pgid, self.pg_pos))
 
     # -- back to Python ------------------------------------------------------------------------------------------
     def hand_over(self, cache: PrefixCache) -> None:
@@ -548,13 +720,17 @@ class FastEngine:
         keys = self.uniq[rec[:, KEY]].tolist()
         lasts = self.trace.t[rec[:, LASTREQ]].tolist()
         types, hits, nchild = rec[:, BTYPE].tolist(), rec[:, HITS].tolist(), rec[:, NCHILD].tolist()
+        queues = np.minimum(rec[:, QUEUE], Q_MAIN).tolist() if self.code == S3FIFO else [0] * n
         stamps, pdata = rec[:, STAMP].tolist(), rec[:, PDATA].tolist()
         blocks: list[Block | None] = [None] * n
         for s in sorted(range(n), key=depth.__getitem__):  # parents first
             b = Block(keys[s], blocks[parent[s]] if parent[s] >= 0 else None, depth[s], types[s], lasts[s])
             b.n_children = nchild[s]
             b.hits = hits[s]
-            if self.code != LRU:
+            b.queue = queues[s]
+            if self.code == S3FIFO:
+                b.pdata = pdata[s]  # the frequency
+            elif self.code != LRU:
                 b.stamp = stamps[s]
                 b.pdata = pdata[s]  # LFU: every cached block was released at least once
             blocks[s] = b
@@ -572,6 +748,15 @@ class FastEngine:
                 free[blocks[s].key] = blocks[s]
                 s = int(self.rec[s, NEXT])
             policy._free = free
+        elif self.code == S3FIFO:
+            for head, queue in ((SHEAD, policy._small), (MHEAD, policy._main)):
+                s = int(self.sc[head])
+                while s >= 0:
+                    queue[blocks[s].key] = blocks[s]
+                    s = int(self.rec[s, NEXT])
+            policy._parked = {blocks[s].key: blocks[s] for s in np.flatnonzero(rec[:, QUEUE] == Q_PARKED).tolist()}
+            lo, hi = int(self.sc[PGTAIL]), int(self.sc[PGHEAD])
+            policy._ghost = OrderedDict((int(self.uniq[g]), None) for g in self.pgid[lo:hi].tolist() if g >= 0)
         else:
             heap = []
             for a_, b_, seq, s in self.hq[:self.sc[HSIZE]].tolist():

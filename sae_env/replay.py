@@ -14,7 +14,7 @@ the next one arrives; TTFT is not defined. Time is the trace clock only; ``wall_
 separately and never enters the statistics. No gymnasium here: :mod:`sae_env.env` adapts this loop.
 
 Two engines run the instant loop with identical results: the generic Python one (any policy, any hooks) and a
-compiled one for the parameterless baselines ``lru``, ``lfu`` and ``fifo`` (:mod:`sae_env.fast_engine`, needs
+compiled one for the baselines ``lru``, ``lfu``, ``fifo`` and ``s3fifo`` (:mod:`sae_env.fast_engine`, needs
 numba). ``engine="auto"`` (the default) takes the compiled one whenever it applies; ``"python"`` and ``"fast"``
 force one. While the compiled engine holds the cache state, reading :attr:`Replay.cache` hands the state over to
 the Python objects and the replay continues on the Python engine (so whatever the caller does with it counts).
@@ -162,9 +162,10 @@ class Replay:
             fast = self._fast
             hits, cnt = fast.run_window(a, b)  # an array: _stats turns it into the list WindowStats keeps
             n = len(fast)
-            counts = (int(cnt[0]), int(cnt[1]), int(cnt[2]), cnt[3:].tolist(), fast.occupancy_by_type, n)
-            # The three supported policies hold everything in queue 0 (EvictionPolicy.occupancy_by_queue).
-            by_queue = {0: n} if n else {}
+            counts = (int(cnt[fast_engine.EVICTIONS]), int(cnt[fast_engine.BYPASSES]), int(cnt[fast_engine.INSERTED]),
+                      cnt[fast_engine.MAE:fast_engine.MAEQ].tolist(), fast.occupancy_by_type, n)
+            mae_by_queue = {q: c for q, c in enumerate(cnt[fast_engine.MAEQ:].tolist()) if c}
+            by_queue = fast.occupancy_by_queue()
         else:
             cache = self._cache
             cache.reset_counters()
@@ -176,8 +177,9 @@ class Replay:
         if self._fast is None:
             counts = (cache.evictions, cache.bypasses, cache.inserted, list(cache.miss_after_eviction),
                       list(cache.occupancy_by_type), len(cache))
+            mae_by_queue = dict(cache.miss_after_eviction_queue)
             by_queue = self.policy.occupancy_by_queue()
-        stats = self._stats(a, b, hits, counts, by_queue)
+        stats = self._stats(a, b, hits, counts, mae_by_queue, by_queue)
         self.windows.append(stats)
         for cb in self.callbacks:
             cb(stats, self)
@@ -288,12 +290,11 @@ class Replay:
             raise RuntimeError(f"{len(self._inflight)} requests never completed")
 
     # -- statistics ----------------------------------------------------------------------------------------
-    def _stats(self, a: int, b: int, hits: list[int] | np.ndarray, counts: tuple,
+    def _stats(self, a: int, b: int, hits: list[int] | np.ndarray, counts: tuple, mae_by_queue: dict[int, int],
                occupancy_by_queue: dict[int, int]) -> WindowStats:
         """``counts``: evictions, bypasses, inserted, misses after eviction by type, occupancy by type, occupancy."""
         tr = self.trace
         evictions, bypasses, inserted, mae_by_type, occupancy_by_type, occupancy = counts
-        mae = sum(mae_by_type)
         h = np.asarray(hits, dtype=np.int64)
         if isinstance(hits, np.ndarray):
             hits = hits.tolist()
@@ -318,8 +319,7 @@ class Replay:
             prompt_blocks=int(n_blocks.sum()), hit_blocks=int(h.sum()), evictions=evictions,
             bypasses=bypasses, inserted=inserted, refs_by_type=refs_by_type.tolist(),
             hits_by_type=hits_by_type.tolist(), miss_after_eviction_by_type=mae_by_type,
-            miss_after_eviction_by_queue=(dict(self._cache.miss_after_eviction_queue) if self._fast is None
-                                          else {0: mae} if mae else {}),
+            miss_after_eviction_by_queue=mae_by_queue,
             refs_by_offset=refs_by_offset[:OFFSET_BUCKETS].tolist(),
             hits_by_offset=hits_by_offset[:OFFSET_BUCKETS].tolist(),
             app_mix=np.bincount(tr.app[a:b], minlength=N_APP_TYPES).tolist(), occupancy=occupancy,

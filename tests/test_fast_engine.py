@@ -19,6 +19,7 @@ from sae_env import data, fast_engine
 from sae_env.cache import PrefixCache
 from sae_env.policies import make_policy
 from sae_env.policies.lru import LRUPolicy
+from sae_env.policies.s3fifo import S3FIFOPolicy
 from sae_env.replay import Replay, replay
 from sae_env.serving import make_server
 from sae_env.sources import open_trace
@@ -26,7 +27,7 @@ from sae_env.trace import Trace
 
 pytest.importorskip("numba")
 
-FAST = ("lru", "lfu", "fifo")
+FAST = ("lru", "lfu", "fifo", "s3fifo")
 
 
 def both(trace: Trace, name: str, capacity: int, **kw) -> tuple[Replay, Replay]:
@@ -58,6 +59,10 @@ def cache_state(cache: PrefixCache) -> dict:
     }
     if isinstance(policy, LRUPolicy):
         state["free"] = list(policy._free)
+    elif isinstance(policy, S3FIFOPolicy):
+        state["freq"] = {k: b.pdata for k, b in cache.blocks.items()}
+        state["queues"] = (list(policy._small), list(policy._main), sorted(policy._parked), list(policy._ghost),
+                           policy._small_target, policy._ghost_size)
     else:
         state["stamps"] = {k: (b.stamp, b.pdata) for k, b in cache.blocks.items()}
         state["heap"] = sorted((prio, seq, b.key) for prio, seq, b in policy._heap if b.stamp == seq)
@@ -85,6 +90,19 @@ def test_random_prefix_traces_agree(name, trace, capacity, window, ghosts, outpu
 def test_windows_in_seconds_agree(name, trace, capacity, seconds):
     py, fast = both(trace, name, capacity, window_seconds=seconds)
     assert_same_windows(py, fast)
+
+
+@settings(max_examples=60, deadline=None, report_multiple_bugs=False)
+@given(trace=prefix_traces(max_requests=40, max_prompt=10), capacity=st.integers(1, 30),
+       small_ratio=st.sampled_from([0.1, 0.3, 0.5]), move_to_main=st.integers(0, 2), max_freq=st.integers(0, 3))
+def test_s3fifo_parameters_agree(trace, capacity, small_ratio, move_to_main, max_freq):
+    options = {"small_ratio": small_ratio, "move_to_main": move_to_main, "max_freq": max_freq}
+    runs = [Replay(trace, PrefixCache(capacity, make_policy("s3fifo", **options)), window_requests=5, engine=engine)
+            for engine in ("python", "fast")]
+    for r in runs:
+        r.run()
+    assert runs[1].engine == "fast"
+    assert_same_windows(*runs)
 
 
 @pytest.mark.parametrize("name", FAST)
@@ -169,7 +187,7 @@ def test_auto_takes_the_compiled_engine_where_it_applies():
     for name in FAST:
         assert Replay(trace, PrefixCache(4, make_policy(name))).engine == "fast"
         assert replay(trace, make_policy(name), 4).engine == "fast"
-    assert Replay(trace, PrefixCache(4, make_policy("s3fifo"))).engine == "python"
+    assert Replay(trace, PrefixCache(4, make_policy("lpc"))).engine == "python"
     assert Replay(trace, PrefixCache(4, make_policy("lru")), check=True).engine == "python"
     assert Replay(trace, PrefixCache(4, make_policy("lru")), make_server("qwen2.5-1.5b@a40")).engine == "python"
     assert Replay(trace, PrefixCache(4, make_policy("lru")), make_server("instant")).engine == "fast"
@@ -192,7 +210,8 @@ def _cases():
     used = PrefixCache(4, make_policy("lru"))
     used.serve([1, 2], [0, 0], (), (), 0.0)
     return [
-        (trace, PrefixCache(4, make_policy("s3fifo")), {}, "no compiled engine"),
+        (trace, PrefixCache(4, make_policy("belady")), {}, "no compiled engine"),
+        (trace, PrefixCache(4, make_policy("s3fifo", max_freq=2.5)), {}, "whole numbers"),
         (trace, PrefixCache(4, _MyLRU()), {}, "no compiled engine"),
         (trace, PrefixCache(4, make_policy("lru")), {"check": True}, "check=True"),
         (trace, PrefixCache(4, make_policy("lru")), {"server": make_server("qwen2.5-1.5b@a40")}, "instant mode"),
@@ -200,7 +219,7 @@ def _cases():
     ]
 
 
-@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("case", range(6))
 def test_forcing_the_compiled_engine_says_why_it_cannot(case):
     trace, cache, kw, why = _cases()[case]
     server = kw.pop("server", None)
