@@ -2,8 +2,8 @@
 
 Our replay has two engines with identical results (``tests/test_fast_engine.py`` checks every window statistic):
 the generic Python engine (any policy) and the compiled one (:mod:`sae_env.fast_engine`, numba) that
-:class:`~sae_env.replay.Replay` takes by default for ``lru``, ``lfu`` and ``fifo`` in instant mode. Both are
-measured and labelled; "default" is what a user gets without asking.
+:class:`~sae_env.replay.Replay` takes by default for ``lru``, ``lfu``, ``fifo`` and ``s3fifo`` in instant mode. Both
+are measured and labelled; "default" is what a user gets without asking.
 
 1. A block-reference stream with no shared prefixes (one block per request, Zipf ids) through our ``lru`` (default
    engine, then the Python engine) and through libcachesim's LRU (same cache size in objects); throughputs, hits
@@ -12,8 +12,9 @@ measured and labelled; "default" is what a user gets without asking.
    numba's on-disk cache) beforehand, and that one-off time is printed separately.
 2. Block references per second for every registered online policy on a prefix-sharing trace (the synthetic
    heterogeneous workload by default), instant mode: the default engine, and the Python engine where they differ.
-3. Bytes of memory per cached block (tracemalloc while filling an LRU / LFU cache to capacity, ghost record full),
-   for each engine.
+3. Bytes of memory per cached block (tracemalloc while filling a cache to capacity, ghost record full), for each
+   compiled policy on each engine and for ``saecache`` (Python engine only), with the floor of any engine that keeps
+   its blocks and ghosts in Python dicts: one dict entry plus the key's int object, per block and per ghost.
 
 The last line is ``lru_vs_libcachesim=<ratio>`` (the default engine). Machines here are noisy: compare ratios, not
 absolute figures.
@@ -103,18 +104,28 @@ def prompts_of_four(capacity: int) -> Trace:
 
 
 def bytes_per_block_python(policy: str, capacity: int) -> float:
-    """Memory held by a Python-engine cache filled with :func:`prompts_of_four` (blocks, policy, ghosts)."""
+    """Memory held by a Python-engine replay of :func:`prompts_of_four` (blocks, their keys, policy, ghosts; one
+    window, so that per-window statistics add ~6 bytes per block)."""
     trace = prompts_of_four(capacity)
-    keys = trace.prompt_keys.tolist()
-    types = [0, 0, 0, 2]
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    cache = PrefixCache(capacity, make_policy(policy))
-    for r in range(len(trace)):
-        cache.serve(keys[4 * r:4 * r + 4], types, (), (), float(r))
+    rep = Replay(trace, PrefixCache(capacity, make_policy(policy)), window_requests=len(trace), engine="python")
+    rep.run()
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    return used / len(cache)
+    return used / len(rep.cache)
+
+
+def bytes_per_dict_entry(n: int) -> float:
+    """A dict from ``n`` random 62-bit int keys to a small int: the least a Python-dict block table (or ghost
+    record) costs per entry."""
+    keys = np.random.default_rng(2).integers(1, 2**62, size=n)
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    table = dict.fromkeys(keys.tolist(), 0)
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return used / len(table)
 
 
 def bytes_per_block_fast(policy: str, capacity: int) -> tuple[float, float]:
@@ -134,7 +145,7 @@ def warm_up() -> float:
     """Compile (or load from numba's cache) the kernels once; returns the seconds it took."""
     t0 = time.perf_counter()
     trace = prompts_of_four(16)
-    for name in ("lru", "lfu", "fifo"):
+    for name in ("lru", "lfu", "fifo", "s3fifo"):
         Replay(trace, PrefixCache(8, make_policy(name)), engine="fast").run()
     return time.perf_counter() - t0
 
@@ -190,12 +201,15 @@ def main() -> None:
 
     mc = args.memory_capacity
     print(f"memory per cached block ({mc:,}-block cache filled with 4-block prompts, ghost record full):")
-    for name in ("lru", "lfu"):
-        print(f"  {name} python engine   {bytes_per_block_python(name, mc):6.0f} bytes")
+    for name in ("lru", "lfu", "fifo", "s3fifo"):
         if fast_engine.AVAILABLE:
             total, state = bytes_per_block_fast(name, mc)
-            print(f"  {name} compiled engine {total:6.0f} bytes (cache state alone {state:.0f}; the rest: the "
+            print(f"  {name:8s} compiled engine {total:6.0f} bytes (cache state alone {state:.0f}; the rest: the "
                   "trace's dense ids and types)")
+        print(f"  {name:8s} python engine   {bytes_per_block_python(name, mc):6.0f} bytes")
+    print(f"  saecache python engine   {bytes_per_block_python('saecache', mc):6.0f} bytes")
+    print(f"  floor of a Python-dict engine: {bytes_per_dict_entry(mc):.0f} bytes per dict entry with its int key, "
+          "once for the block table and once for the ghost record")
     print(f"lru_vs_libcachesim={(ids.size / dt) / (ids.size / dt_ref):.3f}")
 
 

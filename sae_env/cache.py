@@ -28,7 +28,7 @@ too (``tests/test_fast_engine.py`` compares the two field for field).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -39,7 +39,7 @@ from sae_env.trace import N_TOKEN_TYPES
 if TYPE_CHECKING:
     from sae_env.policies.base import EvictionPolicy
 
-__all__ = ["Block", "PrefixCache", "resolve_capacity"]
+__all__ = ["Block", "GhostRecord", "PrefixCache", "resolve_capacity"]
 
 
 class Block:
@@ -64,6 +64,74 @@ class Block:
     def __repr__(self) -> str:
         return (f"Block(key={self.key}, depth={self.depth}, type={self.type}, queue={self.queue}, "
                 f"pins={self.pins}, children={self.n_children})")
+
+
+class GhostRecord(dict):
+    """Evicted keys, at most ``capacity`` of them, the oldest dropped first: key -> ``queue * 8 + type``.
+
+    A plain dict (``key in ghosts`` runs at C speed on the insertion path; iteration is eviction order, oldest
+    first, as keys are only ever added at the end or removed) plus a deque of keys in eviction order, so that the
+    oldest is dropped in O(1). This is the ordered record an ``OrderedDict`` would give, at about half its memory
+    (no linked-list node per key). A ghost that comes back (:meth:`take`) leaves its deque entry behind, as removing
+    it from the middle would cost O(n): ``_stale[key]`` counts such entries, which are always older than the key's
+    live entry, so the oldest entry of a key with no stale count left is the live one. The deque is compacted when
+    it grows past twice the capacity, so stale entries cost O(1) amortised.
+    """
+
+    __slots__ = ("capacity", "_order", "_stale")
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = int(capacity)
+        self._order: deque[int] = deque()  # keys in eviction order, oldest first; stale entries included
+        self._stale: dict[int, int] = {}  # key -> its entries in _order that are no longer live
+
+    def add(self, key: int, code: int) -> None:
+        """Remember an evicted key (a key already remembered keeps its place, as in an OrderedDict)."""
+        if self.capacity <= 0:
+            return
+        if key in self:
+            self[key] = code
+            return
+        self[key] = code
+        order = self._order
+        order.append(key)
+        if len(self) > self.capacity:
+            stale = self._stale
+            while True:  # drop the oldest live ghost, skipping stale entries on the way
+                k = order.popleft()
+                n = stale.get(k)
+                if n is None:
+                    del self[k]
+                    break
+                if n == 1:
+                    del stale[k]
+                else:
+                    stale[k] = n - 1
+        if len(order) > 2 * self.capacity + 16:
+            self._order = deque(self)  # iteration order is eviction order: the live entries, oldest first
+            self._stale.clear()
+
+    def take(self, key: int) -> int:
+        """Forget a ghost that came back; returns its ``queue * 8 + type``."""
+        code = self.pop(key)
+        self._stale[key] = self._stale.get(key, 0) + 1
+        return code
+
+    def check(self) -> None:
+        """Raise RuntimeError if the deque's live entries disagree with the dict or the bound is broken."""
+        if len(self) > max(0, self.capacity):
+            raise RuntimeError("ghost record exceeds its bound")
+        stale = dict(self._stale)
+        live = []
+        for k in self._order:
+            n = stale.get(k, 0)
+            if n:
+                stale[k] = n - 1
+            else:
+                live.append(k)
+        if live != list(self) or any(stale.values()):
+            raise RuntimeError("ghost record: its order disagrees with its keys")
 
 
 def resolve_capacity(capacity: float | int | str, distinct_blocks: int | None = None,
@@ -132,10 +200,10 @@ class PrefixCache:
         self.policy = policy
         self.cache_outputs = cache_outputs
         self.blocks: dict[int, Block] = {}  # key -> Block, every cached block
+        self.ghost_capacity = self.capacity if ghost_capacity is None else int(ghost_capacity)
         # Evicted keys in eviction order (oldest first), bounded: key -> queue * 8 + type, one small int (a
         # tuple per ghost would cost more memory than the cached block itself).
-        self.ghosts: OrderedDict[int, int] = OrderedDict()
-        self.ghost_capacity = self.capacity if ghost_capacity is None else int(ghost_capacity)
+        self.ghosts = GhostRecord(self.ghost_capacity)
         # Counters since the last reset_counters(); the replay turns them into WindowStats.
         self.evictions = 0
         self.bypasses = 0  # blocks that could not be inserted because nothing was evictable
@@ -284,7 +352,7 @@ class PrefixCache:
             if k in ghosts:
                 # Looked up before evicting: the eviction that makes room could push this very key out of a full
                 # ghost record.
-                queue, btype = divmod(ghosts.pop(k), 8)
+                queue, btype = divmod(ghosts.take(k), 8)
                 self.miss_after_eviction[btype] += 1
                 self.miss_after_eviction_queue[queue] = self.miss_after_eviction_queue.get(queue, 0) + 1
             if len(blocks) >= self.capacity and not self._evict_one(now):
@@ -319,11 +387,7 @@ class PrefixCache:
                 self.policy.on_leaf(parent)
         victim.parent = None
         self.evictions += 1
-        ghosts = self.ghosts
-        if self.ghost_capacity > 0:
-            ghosts[victim.key] = victim.queue * 8 + victim.type
-            if len(ghosts) > self.ghost_capacity:
-                ghosts.popitem(last=False)
+        self.ghosts.add(victim.key, victim.queue * 8 + victim.type)
         return True
 
     # -- inspection ----------------------------------------------------------------------------------------
@@ -364,6 +428,5 @@ class PrefixCache:
             by_type[b.type] += 1
         if by_type != self.occupancy_by_type:
             raise RuntimeError(f"occupancy by type {self.occupancy_by_type} disagrees with the blocks ({by_type})")
-        if len(self.ghosts) > self.ghost_capacity:
-            raise RuntimeError("ghost record exceeds its bound")
+        self.ghosts.check()
         self.policy.check_invariants()

@@ -696,7 +696,7 @@ class FastEngine:
     def hand_over(self, cache: PrefixCache) -> None:
         """Rebuild ``cache`` (fresh, as given to the replay) and its policy from the arrays, between windows, so
         that the Python engine continues exactly where this one stopped."""
-        from sae_env.cache import Block
+        from sae_env.cache import Block, GhostRecord
 
         if len(cache.blocks) or cache.ghosts:
             raise RuntimeError("the cache was changed while the fast engine held its state")
@@ -737,8 +737,10 @@ class FastEngine:
         cache.blocks = {b.key: b for b in blocks}
         cache.occupancy_by_type = self.occ.tolist()
         lo, hi = int(self.sc[GTAIL]), int(self.sc[GHEAD])
-        cache.ghosts = OrderedDict((int(self.uniq[g]), int(t)) for g, t in zip(
-            self.gid[lo:hi].tolist(), self.gty[lo:hi].tolist(), strict=True) if g >= 0)
+        cache.ghosts = GhostRecord(cache.ghost_capacity)
+        for g, t in zip(self.gid[lo:hi].tolist(), self.gty[lo:hi].tolist(), strict=True):
+            if g >= 0:
+                cache.ghosts.add(int(self.uniq[g]), int(t))
         cache.reset_counters()
         policy = cache.policy
         if self.code == LRU:

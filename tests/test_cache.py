@@ -1,7 +1,10 @@
 """Unit tests of sae_env.cache: capacity parsing, the PrefixCache loop (hits, pins, bypasses, outputs, ghosts),
-its invariant checker, and the instant fast path ``serve`` against ``admit`` + ``complete``."""
+its invariant checker, the instant fast path ``serve`` against ``admit`` + ``complete``, and the ghost record
+against an OrderedDict."""
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -9,7 +12,7 @@ from conftest import prefix_traces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sae_env.cache import PrefixCache, resolve_capacity
+from sae_env.cache import GhostRecord, PrefixCache, resolve_capacity
 from sae_env.policies import make_policy, policy_names
 from sae_env.serving import MODELS
 from sae_env.trace import TokenType
@@ -203,6 +206,52 @@ def test_ghosts_are_bounded_and_misses_after_eviction_are_counted_per_type():
     assert cache.miss_after_eviction[SYSTEM] == 0
     assert list(cache.ghosts) == [40, 50]
     cache.check_invariants()
+
+
+@settings(max_examples=200, deadline=None)
+@given(capacity=st.integers(0, 5), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 7), st.integers(0, 15)),
+                                                max_size=120))
+def test_ghost_record_behaves_as_a_bounded_ordered_dict(capacity, ops):
+    """add = ``od[k] = code`` then drop the oldest beyond the bound; take = ``od.pop(k)`` of a present key. Long
+    runs of takes and re-adds exercise the stale entries and the deque's compaction."""
+    ghosts, reference = GhostRecord(capacity), OrderedDict()
+    for is_add, key, code in ops:
+        if is_add:
+            ghosts.add(key, code)
+            if capacity > 0:
+                reference[key] = code
+                if len(reference) > capacity:
+                    reference.popitem(last=False)
+        elif key in reference:
+            assert ghosts.take(key) == reference.pop(key)
+        assert (key in ghosts) == (key in reference)
+        assert list(ghosts.items()) == list(reference.items())
+        ghosts.check()
+    assert len(ghosts._order) <= 2 * capacity + 17
+
+
+def test_ghost_record_compacts_the_entries_that_came_back():
+    """Ghosts that keep coming back never fill the record, so nothing is dropped: the deque is compacted instead."""
+    ghosts, reference = GhostRecord(2), OrderedDict()
+    for i in range(200):
+        ghosts.add(i % 5, 1)
+        reference[i % 5] = 1
+        if len(reference) > 2:
+            reference.popitem(last=False)
+        if i % 50:  # mostly back at once: stale entries pile up
+            assert ghosts.take(i % 5) == reference.pop(i % 5) == 1
+        assert list(ghosts.items()) == list(reference.items())
+        assert len(ghosts._order) <= 2 * 2 + 17
+        ghosts.check()
+
+
+def test_ghost_record_check_catches_a_broken_order():
+    ghosts = GhostRecord(3)
+    for k in (1, 2, 3):
+        ghosts.add(k, 0)
+    ghosts._order.rotate(1)
+    with pytest.raises(RuntimeError, match="order"):
+        ghosts.check()
 
 
 def test_ghost_type_is_the_evicted_blocks_type():
