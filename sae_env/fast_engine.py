@@ -246,6 +246,17 @@ def _q_pop_front(rec, sc, head, tail, length):
 
 
 @_inline
+def _ring_drop_oldest(ring, sc, tail, live):
+    """Drop the oldest live entry of a ghost ring (entries of keys that came back are -1)."""
+    t = sc[tail]
+    while ring[t] < 0:
+        t += 1
+    ring[t] = -1
+    sc[tail] = t + 1
+    sc[live] -= 1
+
+
+@_inline
 def _pg_take(pgid, pg_pos, sc, k):
     """S3-FIFO's ghost: if key id ``k`` is in it, remove it and return True (``key in _ghost: del``)."""
     p = pg_pos[k]
@@ -276,12 +287,7 @@ def _pg_add(pgid, pg_pos, sc, k, size):
     sc[PGHEAD] = h + 1
     sc[PGLIVE] += 1
     if sc[PGLIVE] > size:
-        t = sc[PGTAIL]
-        while pgid[t] < 0:
-            t += 1
-        pgid[t] = -1
-        sc[PGTAIL] = t + 1
-        sc[PGLIVE] -= 1
+        _ring_drop_oldest(pgid, sc, PGTAIL, PGLIVE)
 
 
 @_inline
@@ -454,14 +460,9 @@ def _evict(rec, sc, hq, slot_of, gid, gty, cnt, occ, code, ghost_cap, pp, pgid, 
         sc[GHEAD] = h + 1
         sc[GLIVE] += 1
         if sc[GLIVE] > ghost_cap:
-            # Drop the oldest live ghost. Its key's slot_of still points into the ring, but a ghost is recognised
-            # only where the ring entry in the live window names the key: one random write fewer per eviction.
-            t = sc[GTAIL]
-            while gid[t] < 0:
-                t += 1
-            gid[t] = -1
-            sc[GTAIL] = t + 1
-            sc[GLIVE] -= 1
+            # Its key's slot_of still points into the ring, but a ghost is recognised only where the ring entry
+            # in the live window names the key: one random write fewer per eviction.
+            _ring_drop_oldest(gid, sc, GTAIL, GLIVE)
     return v
 
 
