@@ -26,6 +26,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -215,15 +216,10 @@ class Replay:
             s, e = po[j], po[j + 1]
             if on_request is not None:
                 on_request(trace, a + j, now)
-            if on_complete is not None:
-                # The policy must hear about the completion before the outputs are inserted.
-                path, h = cache.admit(pk[s:e], pt[s:e], now)
-                on_complete(trace, a + j, now)
-                cache.complete(path, e - s, ok[oo[j]:oo[j + 1]], ot[oo[j]:oo[j + 1]], now)
-            else:
-                os_, oe = oo[j], oo[j + 1]
-                h = serve(pk[s:e], pt[s:e], ok[os_:oe] if oe > os_ else empty, ot[os_:oe] if oe > os_ else empty,
-                          now)
+            os_, oe = oo[j], oo[j + 1]
+            # The policy must hear about the completion before the outputs are inserted: serve calls it between.
+            h = serve(pk[s:e], pt[s:e], ok[os_:oe] if oe > os_ else empty, ot[os_:oe] if oe > os_ else empty, now,
+                      None if on_complete is None else partial(on_complete, trace, a + j, now))
             hits[j] = h
             if check:
                 cache.check_invariants()
