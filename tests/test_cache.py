@@ -264,9 +264,8 @@ def test_ghost_type_is_the_evicted_blocks_type():
 
 
 def test_a_returning_key_is_looked_up_among_the_ghosts_before_its_insertion_evicts():
-    """Capacity 1 (ghost record of 1 key): 1, 2 (evicts 1), 1 again is a miss after eviction. The cache evicts
-    2 to make room before it looks 1 up, and that eviction pushes 1 out of the ghost record: in a full cache
-    the record effectively holds ghost_capacity - 1 keys, and with one it never counts anything."""
+    """Capacity 1 (ghost record of 1 key): 1, 2 (evicts 1), 1 again is a miss after eviction. Inserting 1 must
+    evict 2, which pushes 1 out of the one-key ghost record: the cache looks 1 up first, so it is still counted."""
     cache = PrefixCache(1, make_policy("lru"))
     run(cache, [1])
     run(cache, [2])
