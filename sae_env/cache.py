@@ -21,9 +21,9 @@ is evictable and raises ``RuntimeError`` if a policy breaks that invariant.
 Evicted keys go to a bounded *ghost* record (their type and queue) so that a later request for one of
 them is counted as a *miss after eviction* (a regretted eviction), per token type and per queue.
 
-:mod:`sae_env.fast_engine` is a compiled copy of :meth:`PrefixCache.serve` with the ``lru`` / ``lfu`` / ``fifo``
-hooks inlined, which the replay uses by itself in instant mode; a change to the semantics here must be made there
-too (``tests/test_fast_engine.py`` compares the two field for field).
+:mod:`sae_env.fast_engine` is a compiled copy of :meth:`PrefixCache.serve` with the ``lru`` / ``lfu`` / ``fifo`` /
+``s3fifo`` hooks inlined, which the replay uses by itself in instant mode; a change to the semantics here must be
+made there too (``tests/test_fast_engine.py`` compares the two field for field).
 """
 
 from __future__ import annotations

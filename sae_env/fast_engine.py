@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -76,7 +76,7 @@ except ImportError:  # pragma: no cover - exercised only where numba is not inst
 
     _inline = _jit
 
-__all__ = ["AVAILABLE", "FastEngine", "policy_code", "unsupported_reason"]
+__all__ = ["AVAILABLE", "FastEngine", "WindowCounts", "policy_code", "unsupported_reason"]
 
 # Policy codes of the kernel.
 LRU, LFU, FIFO, S3FIFO = 0, 1, 2, 3
@@ -103,6 +103,16 @@ Q_SMALL, Q_MAIN, Q_PARKED = 0, 1, 2
 EVICTIONS, BYPASSES, INSERTED, MAE = 0, 1, 2, 3
 MAEQ = MAE + N_TOKEN_TYPES
 N_QUEUE_IDS = 8
+
+
+class WindowCounts(NamedTuple):
+    """One window's counters, as :class:`~sae_env.cache.PrefixCache` keeps them."""
+
+    evictions: int
+    bypasses: int
+    inserted: int
+    mae_by_type: list[int]  # misses after eviction per TokenType
+    mae_by_queue: dict[int, int]  # misses after eviction per queue id (only the queues that had one)
 
 
 def policy_code(policy: object) -> int | None:
@@ -467,7 +477,7 @@ def _evict(rec, sc, hq, slot_of, gid, gty, cnt, occ, code, ghost_cap, pp, pgid, 
 
 
 @_jit
-def _run_window(a, b, po, oo, n_pr, ids, types, times, cache_outputs, code, capacity, ghost_cap, rec, sc, hq,
+def _run_window(a, b, po, oo, n_pr, ids, types, cache_outputs, code, capacity, ghost_cap, rec, sc, hq,
                 slot_of, gid, gty, occ, cnt, hits_out, path, pp, pgid, pg_pos):
     """Serve requests ``a..b-1`` (PrefixCache.serve each); fills ``hits_out`` and the window counters ``cnt``.
 
@@ -601,7 +611,7 @@ class FastEngine:
 
     def __init__(self, code: int, capacity: int, ghost_capacity: int, cache_outputs: bool, trace: Trace,
                  ids: np.ndarray, uniq: np.ndarray, max_path: int,
-                 s3fifo_params: tuple[int, int, int, int] = (1, 1, 1, 3)):
+                 s3fifo_params: tuple[int, int, int, int] | None = None):
         self.code = code
         self.capacity = capacity
         self.ghost_capacity = max(0, ghost_capacity)
@@ -619,7 +629,7 @@ class FastEngine:
         self.slot_of = np.full(uniq.size, -1, dtype=np.int32)
         self.sc[[SHEAD, STAIL, MHEAD, MTAIL]] = -1
         # S3-FIFO: its parameters, its ghost ring (twice its size, as the cache's) and each key's position there.
-        self.pp = np.array(s3fifo_params, dtype=np.int64)
+        self.pp = np.array(s3fifo_params if code == S3FIFO else (0, 0, 0, 0), dtype=np.int64)
         self.pgid = np.full(2 * s3fifo_params[GHOST_SIZE] + 2 if code == S3FIFO else 1, -1, dtype=np.int32)
         self.pg_pos = np.full(uniq.size if code == S3FIFO else 1, -1, dtype=np.int32)
         g = 2 * self.ghost_capacity + 2 if self.ghost_capacity else 1
@@ -652,24 +662,23 @@ class FastEngine:
             return None
         lens = np.diff(trace.prompt_offsets) + np.diff(trace.output_offsets)
         max_path = int(lens.max()) if lens.size else 0
-        pp = (1, 1, 1, 3)
-        if code == S3FIFO:
-            pol = cache.policy
-            pp = (pol._small_target, pol._ghost_size, int(pol.move_to_main), int(pol.max_freq))
+        pol = cache.policy
+        pp = (pol._small_target, pol._ghost_size, int(pol.move_to_main), int(pol.max_freq)) if code == S3FIFO else None
         return cls(code, cache.capacity, cache.ghost_capacity, cache.cache_outputs, trace, ids, uniq, max_path, pp)
 
     # -- replay --------------------------------------------------------------------------------------------------
-    def run_window(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Serve requests ``a..b-1``; returns (hit blocks per request, counters: evictions, bypasses, inserted,
-        misses after eviction per TokenType (from ``MAE``), then per queue id (from ``MAEQ``))."""
+    def run_window(self, a: int, b: int) -> tuple[np.ndarray, WindowCounts]:
+        """Serve requests ``a..b-1``; returns the hit blocks per request and the window's counters."""
         tr = self.trace
         hits = np.empty(b - a, dtype=np.int64)
         cnt = self.cnt
         cnt[:] = 0
-        _run_window(a, b, tr.prompt_offsets, tr.output_offsets, tr.n_blocks, self.ids, self.types, tr.t,
-                    self.cache_outputs, self.code, self.capacity, self.ghost_capacity, self.rec, self.sc, self.hq,
-                    self.slot_of, self.gid, self.gty, self.occ, cnt, hits, self.path, self.pp, self.pgid, self.pg_pos)
-        return hits, cnt.copy()
+        _run_window(a, b, tr.prompt_offsets, tr.output_offsets, tr.n_blocks, self.ids, self.types, self.cache_outputs,
+                    self.code, self.capacity, self.ghost_capacity, self.rec, self.sc, self.hq, self.slot_of, self.gid,
+                    self.gty, self.occ, cnt, hits, self.path, self.pp, self.pgid, self.pg_pos)
+        by_queue = cnt[MAEQ:].tolist()
+        return hits, WindowCounts(int(cnt[EVICTIONS]), int(cnt[BYPASSES]), int(cnt[INSERTED]), cnt[MAE:MAEQ].tolist(),
+                                  {q: c for q, c in enumerate(by_queue) if c})
 
     def occupancy_by_queue(self) -> dict[int, int]:
         """As the policy's ``occupancy_by_queue``: S3-FIFO reports S and M (parked blocks count in M), even when

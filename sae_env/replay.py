@@ -161,12 +161,9 @@ class Replay:
         start = time.perf_counter()
         if self._fast is not None:
             fast = self._fast
-            hits, cnt = fast.run_window(a, b)  # an array: _stats turns it into the list WindowStats keeps
-            n = len(fast)
-            counts = (int(cnt[fast_engine.EVICTIONS]), int(cnt[fast_engine.BYPASSES]), int(cnt[fast_engine.INSERTED]),
-                      cnt[fast_engine.MAE:fast_engine.MAEQ].tolist(), fast.occupancy_by_type, n)
-            mae_by_queue = {q: c for q, c in enumerate(cnt[fast_engine.MAEQ:].tolist()) if c}
-            by_queue = fast.occupancy_by_queue()
+            hits, c = fast.run_window(a, b)  # an array: _stats turns it into the list WindowStats keeps
+            counts = (c.evictions, c.bypasses, c.inserted, c.mae_by_type, fast.occupancy_by_type, len(fast))
+            mae_by_queue, by_queue = c.mae_by_queue, fast.occupancy_by_queue()
         else:
             cache = self._cache
             cache.reset_counters()

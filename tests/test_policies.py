@@ -135,10 +135,17 @@ def test_reference_and_engine_agree_on_a_hand_example():
 # S3-FIFO against a classic S3-FIFO (no prefix sharing: one block per request, so pins never matter)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @settings(max_examples=80, deadline=None, report_multiple_bugs=False)
 @given(ids=st.lists(st.integers(0, 15), min_size=1, max_size=80), capacity=st.integers(1, 12))
-def test_s3fifo_matches_classic_s3fifo(ids, capacity):
-    r = engine(flat_trace(ids), "s3fifo", capacity)
+def test_s3fifo_matches_classic_s3fifo(compiled, ids, capacity):
+    """On the Python engine (invariants checked after each request) and on the compiled one, which the replay
+    takes by default for s3fifo in instant mode."""
+    if compiled:
+        pytest.importorskip("numba")
+        r = replay(flat_trace(ids), make_policy("s3fifo"), capacity, window_requests=1, engine="fast")
+    else:
+        r = engine(flat_trace(ids), "s3fifo", capacity)
     hits, evictions, queue = s3fifo_reference(ids, capacity)
     assert [w.hit_blocks for w in r.windows] == hits
     assert sum(w.evictions for w in r.windows) == evictions

@@ -14,6 +14,9 @@ keeps the rest with CLOCK-style second chances, and a ghost FIFO G remembers key
   then a bypass.
 
 Queue ids exposed in ``block.queue``: 0 = S, 1 = M.
+
+:mod:`sae_env.fast_engine` replays this policy compiled (instant mode, chosen by the replay by itself); a change here
+must be made there too (``tests/test_fast_engine.py`` compares the two hit for hit).
 """
 
 from __future__ import annotations
