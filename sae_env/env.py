@@ -315,7 +315,8 @@ class PrefixCacheEnv(gym.Env):
       ``load``: target utilisation, rescales arrival times (timed servers only).
     * ``window``: requests per step (int, default 100) or trace seconds (``"30s"``).
     * ``reward``, ``reward_scale``: see Rewards. ``max_steps``: truncation. ``segment_requests``: see Starting State.
-    * ``ghost_capacity``, ``cache_outputs``: passed to :class:`PrefixCache`. ``render_mode``: None or ``"ansi"``.
+    * ``ghost_capacity``, ``cache_outputs``: passed to :class:`PrefixCache`. ``render_mode``: None or ``"ansi"``
+      (another mode raises TypeError, Gymnasium's convention).
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
@@ -378,8 +379,10 @@ class PrefixCacheEnv(gym.Env):
         self.ghost_capacity = ghost_capacity
         self.cache_outputs = cache_outputs
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
-            raise ValueError(f"render_mode must be None or one of {self.metadata['render_modes']}, got "
-                             f"{render_mode!r}")
+            # TypeError, as Gymnasium's own envs raise: wrappers such as Stable-Baselines3's make_vec_env pass
+            # render_mode="rgb_array" and retry without it only on a TypeError.
+            raise TypeError(f"render_mode must be None or one of {self.metadata['render_modes']}, got "
+                            f"{render_mode!r}")
         self.render_mode = render_mode
         # -- spaces
         d = len(self.param_specs)

@@ -137,7 +137,7 @@ def test_ansi_render(tiny):
     for word in ("token hit", "structural", "chat", "agent", "hit rate by type"):
         assert word in text
     assert PrefixCacheEnv(trace=tiny, policy="lru").render() is None  # no render mode
-    with pytest.raises(ValueError, match="render_mode"):
+    with pytest.raises(TypeError, match="render_mode"):  # Gymnasium's convention; SB3's make_vec_env relies on it
         PrefixCacheEnv(trace=tiny, render_mode="human")
 
 
