@@ -85,6 +85,7 @@ def add_predictor_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--val-fraction", type=float, default=0.2, help="share of sessions held out (default 0.2)")
     p.add_argument("--json", help="also write the report as JSON")
+    core_cli.add_wandb_options(p)
     p.set_defaults(func=_run("agents.session_predictor:cmd_predictor"))
     return p
 
@@ -99,6 +100,7 @@ def add_ppo_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="output folder (default runs/ppo-<date>-<time>)")
     p.add_argument("--total-steps", type=int, help="override ppo.total_steps")
     p.add_argument("--seed", type=int, help="override seed")
+    core_cli.add_wandb_options(p)
     p.set_defaults(func=_run("agents.ppo:cmd_ppo"))
     return p
 

@@ -70,7 +70,7 @@ __all__ = ["ActorCritic", "PPOAgent", "PPOConfig", "Rollout", "RolloutState", "T
 
 CHECKPOINT_FORMAT = "saecache-ppo"
 CHECKPOINT_VERSION = 1
-RUN_KEYS = {"seed", "env", "trace_seeds", "ppo", "eval"}
+RUN_KEYS = {"seed", "env", "trace_seeds", "ppo", "eval", "wandb"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -153,6 +153,9 @@ def read_run_config(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, 
                               or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
         raise ValueError(f"{where}: 'trace_seeds' must be a non-empty list of integers, got {seeds!r}")
     PPOConfig.from_dict(data.get("ppo"), where=f"{where}: ppo")  # validate early
+    from sae_env.experiment import WandbConfig
+
+    WandbConfig.from_config(data.get("wandb"), where=f"{where}: wandb")
     data.setdefault("seed", 0)
     data.setdefault("env", {})
     return data
@@ -627,8 +630,17 @@ def evaluate_trained(result: TrainResult, eval_config: Mapping[str, Any]) -> dic
 
 
 def run(config_path: str | os.PathLike | Mapping[str, Any], out_dir: str | os.PathLike | None = None,
-        overrides: Mapping[str, Any] | None = None, verbose: bool = True) -> tuple[TrainResult, Path]:
-    """Train from a config and write ``checkpoint.pt``, ``metrics.json``, ``config.json`` (and ``eval.json``)."""
+        overrides: Mapping[str, Any] | None = None, verbose: bool = True,
+        wandb_mode: str | None = None) -> tuple[TrainResult, Path]:
+    """Train from a config and write ``checkpoint.pt``, ``metrics.json``, ``config.json`` (and ``eval.json``).
+
+    Every iteration's metrics also go to a W&B run (job type ``ppo``, stepped on ``global_step``; ``charts/*``,
+    ``losses/*``, ``perf/*``, and ``eval/<agent>/<key>`` in its summary): ``wandb_mode`` if given, else the config's
+    ``wandb`` section (mode, project, entity, group, dir), else W&B's variables, else offline under ``<out>/wandb``.
+    """
+    from sae_env.experiment import WandbConfig
+    from sae_env.tracking import TrainingRun, resolve_target
+
     config = read_run_config(config_path)
     for k, v in (overrides or {}).items():
         if k == "seed":
@@ -647,16 +659,29 @@ def run(config_path: str | os.PathLike | Mapping[str, Any], out_dir: str | os.Pa
                   + f" value loss {row.get('losses/value_loss', float('nan')):.4g} std "
                   f"{row['charts/action_std']:.3f} sps {row['perf/sps']:.0f}", file=sys.stderr)
 
-    result = train(config, log=log)
-    save_checkpoint(out / "checkpoint.pt", result.model, result.config)
-    (out / "metrics.json").write_text(json.dumps(result.metrics, indent=1) + "\n")
-    (out / "config.json").write_text(json.dumps(result.config, indent=1) + "\n")
-    if config.get("eval"):
-        ev = evaluate_trained(result, config["eval"])
-        (out / "eval.json").write_text(json.dumps({k: v["summary"] for k, v in ev.items()}, indent=1) + "\n")
-        if verbose:
-            for name, v in ev.items():
-                print(f"eval {name}: token hit rate {v['summary']['token_hit_rate']:.4f}", file=sys.stderr)
+    w = WandbConfig.from_config(config.get("wandb"))
+    tracking = TrainingRun(resolve_target(wandb_mode or w.mode, w.project, w.entity, w.dir, out), name=out.name,
+                           job_type="ppo", group=w.group, config=_jsonable(config), step_metric="global_step",
+                           log=lambda msg: print(msg, file=sys.stderr))
+
+    def log_and_track(row: dict[str, Any]) -> None:
+        log(row)
+        tracking.log(row)
+
+    try:
+        result = train(config, log=log_and_track)
+        save_checkpoint(out / "checkpoint.pt", result.model, result.config)
+        (out / "metrics.json").write_text(json.dumps(result.metrics, indent=1) + "\n")
+        (out / "config.json").write_text(json.dumps(result.config, indent=1) + "\n")
+        if config.get("eval"):
+            ev = evaluate_trained(result, config["eval"])
+            (out / "eval.json").write_text(json.dumps({k: v["summary"] for k, v in ev.items()}, indent=1) + "\n")
+            tracking.summarize({f"eval/{name}/{k}": x for name, v in ev.items() for k, x in v["summary"].items()})
+            if verbose:
+                for name, v in ev.items():
+                    print(f"eval {name}: token hit rate {v['summary']['token_hit_rate']:.4f}", file=sys.stderr)
+    finally:
+        tracking.finish()
     return result, out
 
 
@@ -666,6 +691,6 @@ def cmd_ppo(args: argparse.Namespace) -> int:
         overrides["total_steps"] = args.total_steps
     if args.seed is not None:
         overrides["seed"] = args.seed
-    _, out = run(args.config, args.out, overrides)
+    _, out = run(args.config, args.out, overrides, wandb_mode="disabled" if args.no_wandb else args.wandb)
     print(f"wrote {out / 'checkpoint.pt'}, {out / 'metrics.json'}, {out / 'config.json'}")
     return 0

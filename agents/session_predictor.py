@@ -480,6 +480,30 @@ def format_report(report: dict[str, Any]) -> str:
 # Command line
 
 
+def track_report(report: dict[str, Any], out: Path, mode: str | None = None) -> None:
+    """A W&B run (job type ``predictor``) of a training report: ``losses/train_loss`` per epoch, then the held-out
+    ``losses/val_loss`` and ``charts/val_accuracy`` / ``charts/val_macro_auc`` / ``charts/val_majority_accuracy``,
+    stepped on ``epoch``; the report's numbers in its summary. ``mode``, else W&B's variables, else offline, under
+    ``<checkpoint folder>/wandb``."""
+    from sae_env.tracking import TrainingRun, resolve_target
+
+    config = {k: v for k, v in report.items() if k not in ("loss_history", "checkpoint")}
+    run = TrainingRun(resolve_target(mode, default_dir=out.parent), name=out.stem, job_type="predictor",
+                      config=config, step_metric="epoch", log=lambda msg: print(msg, file=sys.stderr))
+    try:
+        history = report["loss_history"]
+        for epoch, loss in enumerate(history, 1):
+            row: dict[str, Any] = {"epoch": epoch, "losses/train_loss": loss}
+            if epoch == len(history):
+                row.update({"losses/val_loss": report["val_loss"], "charts/val_accuracy": report["val_accuracy"],
+                            "charts/val_macro_auc": report["val_macro_auc"],
+                            "charts/val_majority_accuracy": report["val_majority_accuracy"]})
+            run.log(row)
+        run.summarize(report)
+    finally:
+        run.finish()
+
+
 def cmd_predictor(args: argparse.Namespace) -> int:
     from sae_env.cli import load_input, parse_options, write_json
 
@@ -489,6 +513,7 @@ def cmd_predictor(args: argparse.Namespace) -> int:
         print(rep, file=sys.stderr)
         traces.append(trace)
     report = train_predictor(traces, args.out, seed=args.seed, val_fraction=args.val_fraction, epochs=args.epochs)
+    track_report(report, Path(args.out), "disabled" if args.no_wandb else args.wandb)
     print(format_report(report))
     if args.json:
         write_json(args.json, report)

@@ -246,10 +246,17 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", metavar="DIR", help="output folder (default: the config's 'output', runs)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a top-level config key (YAML "
                    "value), e.g. --set seeds=[0,1,2] --set window=50")
-    p.add_argument("--wandb", choices=("offline", "online", "disabled"), help="W&B mode (default: the config's, "
+    add_wandb_options(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_wandb_options(p: argparse.ArgumentParser) -> None:
+    """``--wandb MODE`` and ``--no-wandb``: the same pair for experiments and training commands."""
+    from sae_env.tracking import WANDB_MODES
+
+    p.add_argument("--wandb", choices=WANDB_MODES, help="W&B mode (default: the config's, else $WANDB_MODE, else "
                    "offline)")
     p.add_argument("--no-wandb", action="store_true", help="no W&B runs (same as --wandb disabled)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _policy_names() -> list[str]:

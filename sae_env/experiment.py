@@ -17,7 +17,7 @@ A config names workloads, cache capacities, serving loads, agents and seeds; eve
     seeds: [0]
     reward: hit_rate                 # the env's reward (hit_rate, hit_tokens, neg_ttft)
     ray: {address: null, num_cpus: null, retries: 1}
-    wandb: {mode: offline, project: saecache-gym, entity: null, group: null}
+    wandb: {mode: offline, project: saecache-gym, entity: null, group: null, dir: null}  # unset: WANDB_* variables
     output: runs
 
 Unknown keys raise :class:`ConfigError` naming the key and listing the valid ones. ``reseed`` (default: on for the
@@ -57,13 +57,13 @@ import yaml
 
 from sae_env.files import read_mapping, write_json
 from sae_env.trace import Trace
+from sae_env.tracking import WANDB_MODES
 
 __all__ = ["AgentSpec", "Cell", "CellRunner", "ConfigError", "ExperimentConfig", "ExperimentRun", "RayConfig",
            "ServingConfig", "WandbConfig", "WorkloadSpec", "expand", "is_ppo_config", "load_config", "load_results",
            "run_experiment"]
 
 GENERATED_SOURCES = frozenset({"synthetic", "mix"})  # sources whose trace comes from a seed
-WANDB_MODES = ("offline", "online", "disabled")
 
 
 class ConfigError(ValueError):
@@ -251,18 +251,22 @@ class RayConfig:
 
 @dataclass(frozen=True)
 class WandbConfig:
-    mode: str = "offline"  # offline (default; `wandb sync` later), online, or disabled
-    project: str = "saecache-gym"
+    """W&B settings; a key left out (None) falls back to W&B's variable (``WANDB_MODE``, ``WANDB_PROJECT``,
+    ``WANDB_ENTITY``, ``WANDB_DIR``), then to the default (:func:`sae_env.tracking.resolve_target`)."""
+
+    mode: str | None = None  # offline (the default; `wandb sync` later), online, or disabled
+    project: str | None = None  # default: saecache-gym
     entity: str | None = None
     group: str | None = None  # default: the experiment's name
+    dir: str | None = None  # runs go under <dir>/wandb; default: the run folder
 
     @classmethod
     def from_config(cls, data: Any, where: str = "wandb") -> WandbConfig:
-        d = _check_keys(data or {}, ("mode", "project", "entity", "group"), where)
+        d = _check_keys(data or {}, ("mode", "project", "entity", "group", "dir"), where)
         out = cls(**d)
-        if out.mode not in WANDB_MODES:
+        if out.mode is not None and out.mode not in WANDB_MODES:
             raise ConfigError(f"{where}.mode: {out.mode!r} is not one of {', '.join(WANDB_MODES)}")
-        for key in ("project", "entity", "group"):
+        for key in ("project", "entity", "group", "dir"):
             v = getattr(out, key)
             if v is not None and not (isinstance(v, str) and v):
                 raise ConfigError(f"{where}.{key}: expected a non-empty string, got {v!r}")

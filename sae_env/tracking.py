@@ -10,11 +10,16 @@ workload ``phase`` (index into the trace's phase schedule; -1 none). The run's s
 of every cell and the report's plots as images.
 
 Modes: ``offline`` (default: no network, not even a DNS lookup; ``wandb sync <run-dir>/wandb/offline-run-*``
-uploads later), ``online``
-(the user's account), ``disabled``. Runs go under ``<run-dir>/wandb``. If W&B cannot be imported or fails, the
-tracker warns once and turns itself off: the local files of the experiment are the record that always exists.
+uploads later), ``online`` (the user's account), ``disabled`` (no run is written). Runs go under
+``<run-dir>/wandb``. W&B's own variables are honoured where the command line and the config say nothing
+(:func:`resolve_target`): ``WANDB_MODE``, ``WANDB_PROJECT``, ``WANDB_ENTITY`` and ``WANDB_DIR`` (runs then go under
+``$WANDB_DIR/wandb``). If W&B cannot be imported or fails, the tracker warns once and turns itself off: the local
+files of the experiment are the record that always exists.
 Runs are written by one background thread, in the order the cells finish: a W&B run costs ~0.7 s (mostly waiting
 on W&B's service process), which then overlaps with the cells still running; :meth:`Tracker.close` waits for it.
+
+Training jobs (``train.py ppo``, ``train.py predictor``) log through :class:`TrainingRun`: one run per job, metrics
+namespaced as CleanRL does (``charts/...``, ``losses/...``) against a step metric (``global_step``, ``epoch``).
 
 Offline runs are one binary ``run-<id>.wandb`` file (LevelDB-log framing, protobuf records) that ``wandb.Api``
 cannot read without a server; :func:`read_offline_run` parses it so that tests (and users) can check what was
@@ -28,10 +33,72 @@ import math
 import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Tracker", "offline_run_files", "read_offline_run"]
+__all__ = ["DEFAULT_PROJECT", "WANDB_MODES", "Tracker", "TrainingRun", "WandbTarget", "init_run", "offline_run_files",
+           "read_offline_run", "resolve_target", "table_columns"]
+
+WANDB_MODES = ("offline", "online", "disabled")
+DEFAULT_PROJECT = "saecache-gym"
+_MODE_ALIASES = {"dryrun": "offline", "run": "online"}  # W&B's older spellings of WANDB_MODE
+
+
+@dataclass(frozen=True)
+class WandbTarget:
+    """Where and how W&B runs are written (see :func:`resolve_target`)."""
+
+    mode: str
+    project: str
+    entity: str | None
+    dir: Path  # wandb adds its own "wandb/" folder under it
+
+
+def resolve_target(mode: str | None = None, project: str | None = None, entity: str | None = None,
+                   dir: str | os.PathLike | None = None, default_dir: str | os.PathLike = ".",
+                   environ: Mapping[str, str] | None = None) -> WandbTarget:
+    """Each setting as given (the command line, then the config), else W&B's variable (``WANDB_MODE``,
+    ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_DIR``), else the default (offline, :data:`DEFAULT_PROJECT`, the
+    account's default entity, ``default_dir``). ValueError for a mode that W&B does not have."""
+    env = os.environ if environ is None else environ
+    source = "the mode"
+    if mode is None and env.get("WANDB_MODE"):
+        mode, source = env["WANDB_MODE"].strip().lower(), "WANDB_MODE"
+        mode = _MODE_ALIASES.get(mode, mode)
+    mode = mode or "offline"
+    if mode not in WANDB_MODES:
+        raise ValueError(f"W&B: {source} {mode!r} is not one of {', '.join(WANDB_MODES)}")
+    return WandbTarget(mode=mode, project=project or env.get("WANDB_PROJECT") or DEFAULT_PROJECT,
+                       entity=entity or env.get("WANDB_ENTITY") or None,
+                       dir=Path(dir or env.get("WANDB_DIR") or default_dir))
+
+
+def _import_wandb(mode: str) -> Any:
+    """The W&B module, set up so that an offline run touches no network (imported on first use: it costs ~1 s)."""
+    # W&B mistakes our ``agents`` package for the OpenAI Agents SDK and advertises Weave on every init.
+    os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
+    if mode == "offline":
+        # W&B's service process resolves the default server's host name at start-up even offline (a DNS query off
+        # the machine, seen with strace); a loopback server address, read from the environment when the service
+        # starts, stops it. Nothing is sent there offline, and the address is not stored in the run: `wandb sync`
+        # later uses the syncing user's settings.
+        os.environ.setdefault("WANDB_BASE_URL", "http://127.0.0.1")
+    import wandb
+
+    return wandb
+
+
+def init_run(target: WandbTarget, *, name: str, job_type: str, group: str | None,
+             config: Mapping[str, Any]) -> Any:
+    """A new W&B run (``mode`` passed explicitly: W&B reads ``WANDB_MODE`` only once per process)."""
+    wandb = _import_wandb(target.mode)
+    target.dir.mkdir(parents=True, exist_ok=True)
+    settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, x_disable_machine_info=True,
+                              disable_git=True, save_code=False, disable_job_creation=True)
+    return wandb.init(mode=target.mode, project=target.project, entity=target.entity, group=group,
+                      job_type=job_type, name=name, config=dict(config), dir=str(target.dir), settings=settings,
+                      reinit="create_new")
 
 
 class Tracker:
@@ -41,9 +108,9 @@ class Tracker:
                  log: Callable[[str], None] = print) -> None:
         self.config = config
         self.run_dir = Path(run_dir)
-        self.mode = mode or config.wandb.mode
-        if self.mode not in ("offline", "online", "disabled"):
-            raise ValueError(f"wandb mode must be offline, online or disabled, got {self.mode!r}")
+        w = config.wandb
+        self.target = resolve_target(mode or w.mode, w.project, w.entity, getattr(w, "dir", None), self.run_dir)
+        self.mode = self.target.mode
         self.enabled = self.mode != "disabled"
         self.group = config.wandb.group or config.name
         self._log = log
@@ -53,27 +120,11 @@ class Tracker:
     # -- the W&B module, imported once and on first use (it costs ~1 s)
     def _module(self) -> Any:
         if self._wandb is None:
-            # W&B mistakes our ``agents`` package for the OpenAI Agents SDK and advertises Weave on every init.
-            os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
-            if self.mode == "offline":
-                # W&B's service process resolves the default server's host name at start-up even offline (a DNS
-                # query off the machine, seen with strace); a loopback server address, read from the environment
-                # when the service starts, stops it. Nothing is sent there offline, and the address is not stored
-                # in the run: `wandb sync` later uses the syncing user's settings.
-                os.environ.setdefault("WANDB_BASE_URL", "http://127.0.0.1")
-            import wandb
-
-            self._wandb = wandb
+            self._wandb = _import_wandb(self.mode)
         return self._wandb
 
     def _init(self, name: str, job_type: str, config: Mapping[str, Any]) -> Any:
-        wandb = self._module()
-        wandb_dir = self.run_dir  # wandb adds its own "wandb/" folder under it
-        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, x_disable_machine_info=True,
-                                  disable_git=True, save_code=False, disable_job_creation=True)
-        return wandb.init(mode=self.mode, project=self.config.wandb.project, entity=self.config.wandb.entity,
-                          group=self.group, job_type=job_type, name=name, config=dict(config),
-                          dir=str(wandb_dir), settings=settings, reinit="create_new")
+        return init_run(self.target, name=name, job_type=job_type, group=self.group, config=config)
 
     def _guard(self, what: str, fn: Callable[[], None]) -> None:
         if not self.enabled:
@@ -118,19 +169,18 @@ class Tracker:
         self._guard("summary", lambda: self._log_summary(experiment_run, plots))
 
     def _log_summary(self, experiment_run: Any, plots: Sequence[str | Path]) -> None:
-        import csv
+        from sae_env.report import SUMMARY_COLUMNS, summary_rows
 
         wandb = self._module()
-        path = self.run_dir / "summary.csv"
-        if not path.exists():
-            return
-        with path.open(newline="") as f:
-            rows = list(csv.reader(f))
+        rows = summary_rows(experiment_run.results, [c.id for c in experiment_run.cells])
         run = self._init(f"{self.config.name}-summary", "summary", {"experiment": self.config.name,
                                                                       "cells": len(experiment_run.cells)})
         try:
             if rows:
-                run.log({"cells": wandb.Table(columns=rows[0], data=rows[1:])})
+                # The rows of summary.csv with their types: numbers stay numbers, so W&B can plot the table.
+                columns = table_columns(rows, SUMMARY_COLUMNS)
+                run.log({"cells": wandb.Table(columns=list(SUMMARY_COLUMNS),
+                                              data=[list(r) for r in zip(*columns.values(), strict=True)])})
             images = {f"plots/{Path(p).stem}": wandb.Image(str(p)) for p in plots if str(p).endswith(".png")}
             if images:
                 run.log(images)
@@ -144,8 +194,82 @@ class Tracker:
             self._pool = None
 
 
+class TrainingRun:
+    """One W&B run of a training job (PPO, the session predictor); never fatal, like :class:`Tracker`.
+
+    ``log(row)`` logs a row's numbers (keys as given: ``charts/...``, ``losses/...``, ``perf/...``) against
+    ``step_metric``, which every row carries; ``summarize(values)`` sets summary values; ``finish()`` closes the
+    run. Rows are written synchronously (a training job logs a row per iteration or epoch, not per window).
+    """
+
+    NAMESPACES = ("charts/*", "losses/*", "perf/*", "eval/*")
+
+    def __init__(self, target: WandbTarget, *, name: str, job_type: str, config: Mapping[str, Any],
+                 step_metric: str, group: str | None = None, log: Callable[[str], None] = print) -> None:
+        self.target = target
+        self.step_metric = step_metric
+        self._log = log
+        self.run: Any = None
+        if target.mode == "disabled":
+            return
+        self._try("start", lambda: self._start(name, job_type, group, config))
+
+    def _start(self, name: str, job_type: str, group: str | None, config: Mapping[str, Any]) -> None:
+        self.run = init_run(self.target, name=name, job_type=job_type, group=group, config=config)
+        self.run.define_metric(self.step_metric)
+        for pattern in self.NAMESPACES:
+            self.run.define_metric(pattern, step_metric=self.step_metric)
+
+    def _try(self, what: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as e:  # W&B must never cost the training: warn once, keep the local files
+            self._log(f"warning: W&B {what} failed ({type(e).__name__}: {e}); W&B logging is off for the rest of "
+                      "this job, its local files are complete")
+            run, self.run = self.run, None
+            if run is not None and what != "finish":
+                try:
+                    run.finish()
+                except Exception:  # noqa: BLE001 - already reported
+                    pass
+
+    @property
+    def enabled(self) -> bool:
+        return self.run is not None
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        if self.run is not None:
+            values = {k: v for k, v in row.items() if _is_number(v)}
+            self._try("logging", lambda: self.run.log(values))
+
+    def summarize(self, values: Mapping[str, Any]) -> None:
+        if self.run is not None:
+            self._try("summary", lambda: self.run.summary.update({k: v for k, v in values.items()
+                                                                   if _is_number(v)}))
+
+    def finish(self) -> None:
+        if self.run is not None:
+            run = self.run
+            self._try("finish", run.finish)
+            self.run = None
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def table_columns(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dict[str, list[Any]]:
+    """Columns of a W&B table, one type each (W&B types a column by its values): a column whose values are all
+    numbers (or missing) keeps them (NaN and infinities become missing); any other column becomes text."""
+    out: dict[str, list[Any]] = {}
+    for name in names:
+        values = [row.get(name) for row in rows]
+        numeric = all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values)
+        if numeric:
+            out[name] = [v if v is not None and math.isfinite(v) else None for v in values]
+        else:
+            out[name] = [None if v is None else str(v) for v in values]
+    return out
 
 
 def window_metrics(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -208,8 +332,9 @@ def _records(data: bytes) -> list[bytes]:
 
 
 def read_offline_run(path: str | Path) -> dict[str, Any]:
-    """What an offline run file holds: ``run`` (name, group, job_type), ``config``, ``history`` (one dict per
-    ``log`` call), ``summary`` and ``metrics`` (the ``define_metric`` definitions: name -> step metric)."""
+    """What an offline run file holds: ``run`` (name, group, job_type, project, entity), ``config``, ``history``
+    (one dict per ``log`` call), ``summary`` and ``metrics`` (the ``define_metric`` definitions: name -> step
+    metric). A logged table is a reference (``<key>/path``) to a JSON file under the run folder's ``files/``."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     out: dict[str, Any] = {"run": {}, "config": {}, "history": [], "summary": {}, "metrics": {}}
@@ -219,7 +344,7 @@ def read_offline_run(path: str | Path) -> dict[str, Any]:
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             out["run"] = {"id": rec.run.run_id, "name": rec.run.display_name, "group": rec.run.run_group,
-                          "job_type": rec.run.job_type, "project": rec.run.project}
+                          "job_type": rec.run.job_type, "project": rec.run.project, "entity": rec.run.entity}
             for item in rec.run.config.update:
                 out["config"][item.key] = json.loads(item.value_json)
         elif kind == "config":
