@@ -17,6 +17,9 @@ POLICIES: dict[str, str] = {
     "fifo": "sae_env.policies.fifo:FIFOPolicy",
     "s3fifo": "sae_env.policies.s3fifo:S3FIFOPolicy",
     "belady": "sae_env.policies.belady:BeladyPolicy",
+    "reuse-oracle": "sae_env.policies.partial_oracle:ReuseOraclePolicy",
+    "session-oracle": "sae_env.policies.partial_oracle:SessionOraclePolicy",
+    "when-oracle": "sae_env.policies.partial_oracle:WhenOraclePolicy",
     "lpc": "sae_env.policies.lpc:LPCPolicy",
     "saecache": "sae_env.policies.saecache:SAECachePolicy",
 }

@@ -1,0 +1,160 @@
+"""Partial oracles: Belady's future knowledge cut down to one question, to split a policy's gap to Belady.
+
+Each knows a little of the future and follows vLLM's LRU order (release order, deepest first among blocks freed
+together) for everything its knowledge does not separate:
+
+* ``reuse-oracle`` knows *whether* each block is referenced again, not when: dead leaves go first, then LRU. It is
+  the bound of any policy that predicts reuse perfectly but has no sense of timing.
+* ``session-oracle`` knows whether each request's *session* has another turn, not when, nor which blocks that turn
+  will reuse: blocks last used by a session's final request go first, then LRU. Blocks another session has hit
+  (shared heads: system prompts, templates) count as alive for good, as LPC and SAECache treat them. It is the bound
+  of a perfect continuation predictor.
+* ``when-oracle`` knows each block's next use only to within a bucket of ratio ``factor`` (default 2): the
+  distance in requests from the use that brought the knowledge is placed in ``[factor**k, factor**(k+1))`` and
+  estimated by the bucket's geometric middle; the furthest estimated next use goes first, then LRU. ``factor=1``
+  is Belady's exact knowledge, so sweeping the factor reads off what timing precision is worth.
+
+The knowledge is Belady's (:func:`sae_env.policies.belady.next_uses`, computed in ``bind``) and arrives with each
+request, through the same hooks as every online policy. Time is counted in requests, as for Belady.
+
+Per-block state in ``Block.pdata``: ``(next use, release order)`` for reuse- and when-oracle, ``(request that last
+used it or -1 when shared, session of that request, release order)`` for session-oracle; the release order is set
+in ``on_release`` and is the LRU tie-break.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from sae_env.cache import Block
+from sae_env.policies.base import KeyedPolicy
+from sae_env.policies.belady import NEVER, BeladyPolicy
+from sae_env.trace import Trace
+
+
+class _ReleaseOrder(KeyedPolicy):
+    """A keyed policy whose ties go in vLLM's LRU order: the order in which blocks were last released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._released = 0
+
+    def knowledge(self, block: Block) -> object:
+        """What the oracle knows of ``block`` when it is released (the first element of its pdata)."""
+        raise NotImplementedError
+
+    def on_release(self, blocks: list[Block], now: float) -> None:
+        seq = self._released
+        for b in blocks:
+            seq += 1
+            b.pdata = (self.knowledge(b), seq)
+        self._released = seq
+        super().on_release(blocks, now)
+
+
+class ReuseOraclePolicy(BeladyPolicy, _ReleaseOrder):
+    """Dead leaves (never referenced again) first, the rest in LRU order."""
+
+    name = "reuse-oracle"
+
+    def knowledge(self, block: Block) -> object:
+        nu = block.pdata
+        return nu if isinstance(nu, int) else nu[0]
+
+    def priority(self, block: Block, now: float) -> tuple[int, int]:
+        nu, released = block.pdata
+        return (0 if nu == NEVER else 1, released)
+
+
+class WhenOraclePolicy(BeladyPolicy, _ReleaseOrder):
+    """Furthest next use first, the next use known only to within a factor; ties in LRU order."""
+
+    name = "when-oracle"
+
+    def __init__(self, factor: float = 2.0) -> None:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1 \
+                or not math.isfinite(factor):
+            raise ValueError(f"when-oracle: factor must be a finite number >= 1, got {factor!r}")
+        super().__init__()
+        self.factor = float(factor)
+        self._log_factor = math.log(self.factor) if self.factor > 1 else 0.0
+        self._mid = math.sqrt(self.factor)
+
+    def _estimate(self, nu: int) -> float:
+        """The bucketed next use, seen from the request that brought the knowledge (the frontier)."""
+        if nu == NEVER or not self._log_factor:
+            return float(nu)
+        d = nu - self._frontier  # >= 1
+        k = math.floor(math.log(d) / self._log_factor + 1e-12)
+        return self._frontier + self.factor ** k * self._mid
+
+    def on_insert(self, block: Block, now: float) -> None:
+        block.pdata = self._estimate(self._next(block))
+
+    def on_hit(self, blocks: list[Block], now: float) -> None:
+        for b in blocks:
+            b.pdata = self._estimate(self._next(b))
+
+    def knowledge(self, block: Block) -> object:
+        est = block.pdata
+        return est if isinstance(est, float) else est[0]
+
+    def priority(self, block: Block, now: float) -> tuple[float, int]:
+        est, released = block.pdata
+        return (-est, released)
+
+
+class SessionOraclePolicy(_ReleaseOrder):
+    """Blocks whose last user was its session's final request go first (unless shared), the rest in LRU order."""
+
+    name = "session-oracle"
+    oracle = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._trace: Trace | None = None
+        self._has_next: list[bool] = []
+        self._session: list[int] = []
+        self._cur = -1  # the request whose hooks are running: its arrival or its completion
+
+    def bind(self, trace: Trace) -> None:
+        self._trace = trace
+        sid = trace.session_ids()
+        self._session = sid.tolist()
+        # A request's session has another turn iff a later request carries the same session id.
+        order = np.lexsort((np.arange(len(sid)), sid))
+        has_next = np.zeros(len(sid), dtype=bool)
+        has_next[order[:-1]] = sid[order[:-1]] == sid[order[1:]]
+        self._has_next = has_next.tolist()
+
+    def _context(self, trace: Trace, i: int) -> None:
+        if trace is not self._trace:
+            raise RuntimeError("session-oracle: bind() was called with a different trace than the one being replayed")
+        self._cur = i
+
+    def on_request(self, trace: Trace, i: int, now: float) -> None:
+        self._context(trace, i)
+
+    def on_complete(self, trace: Trace, i: int, now: float) -> None:
+        self._context(trace, i)
+
+    def on_insert(self, block: Block, now: float) -> None:
+        block.pdata = self._cur
+
+    def on_hit(self, blocks: list[Block], now: float) -> None:
+        cur = self._cur
+        session = self._session
+        s = session[cur]
+        for b in blocks:
+            user = self.knowledge(b)
+            b.pdata = -1 if user < 0 or session[user] != s else cur
+
+    def knowledge(self, block: Block) -> object:
+        user = block.pdata
+        return user if isinstance(user, int) else user[0]
+
+    def priority(self, block: Block, now: float) -> tuple[int, int]:
+        user, released = block.pdata
+        return (0 if user >= 0 and not self._has_next[user] else 1, released)
