@@ -25,6 +25,10 @@ Definitions
 - Intra- vs cross-session reuse: of prompt references that are hits, the fraction whose previous occurrence (the
   most recent earlier request in which the key occurs) was in the same session (intra) vs a different session
   (cross). Sessions are ``trace.session_ids()`` (unknown sessions are unique per request). Null when there is no hit.
+- LRU-to-Belady headroom (:func:`headroom`, not part of :func:`characterize`: it replays the trace): the token
+  hit rates of LRU and of Belady's offline bound at cache sizes given as fractions of the distinct blocks (default
+  5 / 10 / 20 %, sized as experiments size them, :func:`sae_env.cache.resolve_capacity`), instant serving, and
+  their difference in percentage points: what any online policy can gain over LRU at that size.
 - Inter-turn gaps per AppType: gaps between consecutive requests of the same session (``t[k+1] - t[k]``, requests
   sorted by time, ties by trace order); a gap belongs to the app of its later request. Only positive gaps are
   fitted; zero gaps are counted separately (``zero_gaps``). Fits are maximum likelihood: log-normal
@@ -59,7 +63,10 @@ from scipy import stats
 
 from sae_env.trace import N_APP_TYPES, N_TOKEN_TYPES, AppType, TokenType, Trace, csr_offsets
 
-__all__ = ["characterize", "format_table", "offset_bucket", "session_gaps", "write_plots"]
+__all__ = ["HEADROOM_FRACTIONS", "characterize", "format_headroom", "format_table", "headroom", "offset_bucket",
+           "session_gaps", "write_plots"]
+
+HEADROOM_FRACTIONS = (0.05, 0.1, 0.2)
 
 
 def offset_bucket(pos: np.ndarray) -> np.ndarray:
@@ -265,6 +272,36 @@ def characterize(trace: Trace) -> dict[str, Any]:
 
     result["gaps"] = {app: _fit_gaps(g) for app, g in session_gaps(trace).items()}
     return result
+
+
+def headroom(trace: Trace, fractions: Sequence[float] = HEADROOM_FRACTIONS) -> list[dict[str, Any]]:
+    """LRU and Belady token hit rates at each cache size (a fraction of the distinct blocks), and the headroom
+    ``belady - lru`` in percentage points; one dict per fraction (see the module docstring)."""
+    from sae_env.cache import PrefixCache, resolve_capacity
+    from sae_env.metrics import summarize
+    from sae_env.policies import make_policy
+    from sae_env.replay import Replay
+
+    distinct = trace.distinct_blocks()
+    rows = []
+    for f in fractions:
+        capacity = resolve_capacity(float(f), distinct)
+        rates = {}
+        for name in ("lru", "belady"):
+            rep = Replay(trace, PrefixCache(capacity, make_policy(name)), window_requests=max(len(trace), 1))
+            rep.run()
+            rates[name] = summarize(rep.windows, policy=name, block_size=trace.block_size)["token_hit_rate"]
+        rows.append({"fraction": float(f), "capacity_blocks": capacity, "lru_token_hit_rate": rates["lru"],
+                     "belady_token_hit_rate": rates["belady"],
+                     "headroom_pp": 100.0 * (rates["belady"] - rates["lru"])})
+    return rows
+
+
+def format_headroom(rows: Sequence[dict[str, Any]]) -> str:
+    """:func:`headroom`'s rows as an aligned table."""
+    body = [[f"{100 * r['fraction']:g}%", str(r["capacity_blocks"]), _fmt(r["lru_token_hit_rate"], True),
+             _fmt(r["belady_token_hit_rate"], True), f"{r['headroom_pp']:.2f}"] for r in rows]
+    return "\n".join(_table(["capacity", "blocks", "LRU token hit", "Belady token hit", "headroom (pp)"], body))
 
 
 def _fmt(v: Any, pct: bool = False) -> str:

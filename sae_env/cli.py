@@ -103,6 +103,12 @@ def cmd_characterize(args: argparse.Namespace) -> int:
     print(report, file=sys.stderr)
     result = characterize(trace)
     print(format_table(result))
+    if args.headroom:
+        from sae_env.characterize import format_headroom, headroom
+
+        result["headroom"] = headroom(trace, parse_fractions(args.headroom))
+        print("\nLRU-to-Belady headroom (token hit rate, instant serving)")
+        print(format_headroom(result["headroom"]))
     if args.json:
         write_json(args.json, {**result, "load_report": report.to_dict()})
         print(f"wrote {args.json}", file=sys.stderr)
@@ -112,6 +118,21 @@ def cmd_characterize(args: argparse.Namespace) -> int:
         for p in write_plots(result, trace, args.plots):
             print(f"wrote {p}", file=sys.stderr)
     return 0
+
+
+def parse_fractions(text: str) -> list[float]:
+    """``"0.05,0.1,20%"`` -> ``[0.05, 0.1, 0.2]``: cache sizes as fractions of the distinct blocks."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            f = float(part[:-1]) / 100.0 if part.endswith("%") else float(part)
+        except ValueError:
+            raise UsageError(f"--headroom expects fractions such as 0.05,0.1,0.2 (or 5%,10%), got {part!r}") from None
+        if not 0.0 < f <= 1.0:
+            raise UsageError(f"--headroom: {part!r} is not a fraction of the distinct blocks in (0, 1]")
+        out.append(f)
+    return out
 
 
 REPLAY_COLUMNS = ("token_hit_rate", "block_hit_rate", "hit_tokens", "evictions", "bypasses", "ttft_mean_ms",
@@ -302,6 +323,9 @@ def build_parser(extensions: Sequence[CliExtension] = ()) -> argparse.ArgumentPa
     trace_args(c, positional=True)
     c.add_argument("--json", help="write the result as JSON")
     c.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
+    c.add_argument("--headroom", nargs="?", const="0.05,0.1,0.2", metavar="FRACTIONS", help="also replay LRU and "
+                   "Belady at these cache sizes (fractions of the distinct blocks; default 0.05,0.1,0.2) and print "
+                   "the headroom between them")
     c.set_defaults(func=cmd_characterize)
 
     r = sub.add_parser("replay", help="replay a trace through eviction policies",

@@ -21,8 +21,10 @@ A config names workloads, cache capacities, serving loads, agents and seeds; eve
     output: runs
 
 Unknown keys raise :class:`ConfigError` naming the key and listing the valid ones. ``reseed`` (default: on for the
-generated sources ``synthetic`` and ``mix`` unless the spec fixes ``seed``) sets the trace generator's seed to the
-cell's seed, so that seeds vary the workload and not only the agent.
+generated sources ``synthetic`` and ``mix``, and the embedded workloads built by them such as ``real_shift``, unless
+the spec fixes ``seed``) sets the trace generator's seed to the cell's seed, so that seeds vary the workload and not
+only the agent (for a real mix: its session start times, drawn from Azure's arrival process, and which component
+each start takes; the sessions themselves stay as recorded).
 
 Running (:func:`run_experiment`): traces are built once per (workload, seed) in the driver and put once into Ray's
 object store; cells run as Ray tasks (one CPU each) on a private local cluster (:mod:`sae_env.ray_local`: nothing
@@ -142,6 +144,7 @@ class WorkloadSpec:
             raise ConfigError(f"{where}.trace: expected a name, a path or a mapping, got {trace!r}")
         name = d.get("name", trace if isinstance(trace, str) else trace.get("trace") or trace.get("source"))
         source = trace if isinstance(trace, str) else trace.get("source") or trace.get("trace")
+        source = _embedded_source(source)
         generated = source in GENERATED_SOURCES and not (isinstance(trace, dict) and "seed" in trace)
         reseed = d.get("reseed", generated)
         if not isinstance(reseed, bool):
@@ -155,8 +158,18 @@ class WorkloadSpec:
         """The trace spec of this workload under ``seed``."""
         if not self.reseed:
             return self.trace
-        spec = {"source": self.trace} if isinstance(self.trace, str) else dict(self.trace)
+        if isinstance(self.trace, str):  # a generated source's name, or an embedded workload of one (real_shift)
+            spec = {"source": self.trace} if self.trace in GENERATED_SOURCES else {"trace": self.trace}
+        else:
+            spec = dict(self.trace)
         return {**spec, "seed": int(seed)}
+
+
+def _embedded_source(name: Any) -> Any:
+    """The source of an embedded trace's name (``real_shift`` -> ``mix``); anything else as it is."""
+    from sae_env import data
+
+    return data.ALL[name][1] if isinstance(name, str) and name in data.ALL else name
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ SOURCES: dict[str, str] = {
     "bailian": "sae_env.sources.bailian",
     "conversations": "sae_env.sources.conversations",
     "taubench": "sae_env.sources.taubench",
+    "gsm8k": "sae_env.sources.gsm8k",
     "azure": "sae_env.sources.azure",
     "synthetic": "sae_env.sources.synthetic",
     "mix": "sae_env.sources.mix",
@@ -41,7 +42,7 @@ def load_source(source: str, path: str | os.PathLike | None, **options: Any) -> 
 
 
 # Sources that cut token sequences into blocks themselves, so they can honour any block size.
-RECUT_SOURCES = frozenset({"conversations", "taubench", "synthetic", "mix", "azure"})
+RECUT_SOURCES = frozenset({"conversations", "taubench", "gsm8k", "synthetic", "mix", "azure"})
 
 
 def open_trace(trace: str, source: str | None = None, options: Mapping[str, Any] | None = None,

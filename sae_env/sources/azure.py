@@ -9,8 +9,9 @@ Two ways to use it:
 
 * :func:`load_process` -> :class:`AzureProcess`: numpy arrays ``t`` (seconds since the first row),
   ``context_tokens`` and ``generated_tokens``, with samplers that other sources borrow: :meth:`~AzureProcess.
-  start_times` (the first ``n`` arrivals, tiled past the end), :meth:`~AzureProcess.sample_start_times`
-  (inter-arrival gaps resampled with replacement) -- both optionally rescaled to a target rate -- and
+  start_times` (the first ``n`` arrivals, tiled past the end), :meth:`~AzureProcess.window_times` (the arrivals in
+  a time window of the tiled trace: a stretch of the real process), :meth:`~AzureProcess.sample_start_times`
+  (inter-arrival gaps resampled with replacement) -- all three optionally rescaled to a target rate -- and
   :meth:`~AzureProcess.sample_lengths` (rows resampled with replacement, keeping each request's pair of lengths).
 * :func:`load` -> a :class:`~sae_env.trace.Trace` of single-turn requests (session -1, turn 1, app SINGLE_TURN)
   whose ``ContextTokens // block_size`` full prompt blocks all have unique keys of type UNKNOWN: a no-reuse
@@ -100,6 +101,32 @@ class AzureProcess:
         period = self.duration + (self.duration / (self.t.size - 1) if self.t.size > 1 else 1.0)
         t = (self.t[None, :] + period * np.arange(reps)[:, None]).ravel()[:n]
         return _rescale(t, rate)
+
+    def window_times(self, start: float, duration: float, rate: float | None = None) -> np.ndarray:
+        """The arrivals that fall in ``[start, start + duration)`` of the trace scaled so that its mean rate is
+        ``rate`` requests/s and then tiled without end (each copy starts one mean gap after the previous one ends;
+        :meth:`period` is one copy), as times from ``start``: a stretch of the real process, its burstiness and
+        order kept."""
+        for name, v in (("start", start), ("duration", duration)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0 s, got {v!r}")
+        if self.t.size < 2:
+            raise ValueError("the process needs at least two arrivals to be tiled")
+        t = _rescale(self.t, rate)
+        period = self._period(t)
+        first, last = int(start // period), int((start + duration) // period)
+        copies = t[None, :] + period * np.arange(first, last + 1)[:, None]
+        flat = copies.ravel()
+        lo, hi = np.searchsorted(flat, [start, start + duration], side="left")
+        return flat[lo:hi] - start
+
+    def period(self, rate: float | None = None) -> float:
+        """Seconds between the starts of two copies when the trace is tiled (scaled to ``rate`` requests/s)."""
+        return self._period(_rescale(self.t, rate))
+
+    @staticmethod
+    def _period(t: np.ndarray) -> float:
+        return float(t[-1] + (t[-1] / (t.size - 1) if t.size > 1 and t[-1] > 0 else 1.0))
 
     def sample_start_times(self, n: int, rng: np.random.Generator | int | None = None,
                            rate: float | None = None) -> np.ndarray:

@@ -4,6 +4,7 @@ Config (a YAML / JSON file, or the same keys as options)::
 
     seed: 0
     on_exhausted: cycle          # cycle | repeat | stop
+    arrivals: poisson            # or {process: azure, trace: azure_conv | azure_code} or {process: azure, path: CSV}
     components:
       - {name: chat,  source: conversations, path: wildchat_multiturn.jsonl.gz, options: {block_size: 16}}
       - {name: agent, source: taubench,      path: airline_gpt4o_trajectories.json.gz}
@@ -20,12 +21,15 @@ Algorithm:
 2. Group each component's requests into sessions (unknown session -1 = each request its own session), ordered by
    their first arrival; keep each request's offset from its session's first arrival (intra-session gaps are kept
    exactly).
-3. Session starts: a Poisson process per phase (count Poisson(rate x duration), starts uniform in the phase window).
-   Each start picks a component by the phase's weights and takes that component's next unused session, in order.
-   When a component runs out: ``cycle`` (default) starts over with a fresh key salt per pass, so a replayed session
-   shares nothing with its earlier copy (but shares, within its pass, whatever the component's sessions share with
-   each other, e.g. a system prompt); ``repeat`` starts over with the same keys (a replay can hit its earlier copy);
-   ``stop`` drops the start (counted). A session runs on past its phase's end.
+3. Session starts, per phase at ``rate`` sessions/s on average: ``poisson`` (default; count Poisson(rate x duration),
+   starts uniform in the phase window) or ``azure``: a stretch of Azure's recorded LLM-inference arrival process
+   (:meth:`sae_env.sources.azure.AzureProcess.window_times`: the trace scaled to the phase's mean rate and tiled, the
+   stretch starting at an offset drawn uniformly over one copy), so starts keep the real process's burstiness and
+   order; the seed picks the stretch. Each start picks a component by the phase's weights and takes that component's
+   next unused session, in order. When a component runs out: ``cycle`` (default) starts over with a fresh key salt per
+   pass, so a replayed session shares nothing with its earlier copy (but shares, within its pass, whatever the
+   component's sessions share with each other, e.g. a system prompt); ``repeat`` starts over with the same keys (a
+   replay can hit its earlier copy); ``stop`` drops the start (counted). A session runs on past its phase's end.
 4. Keys are salted per component (and per pass for ``cycle``) with ``key -> mix64(key XOR h(salt))``: a bijection of
    64-bit keys for each salt, so every equality and every inequality between keys of one component (prompt and
    output keys alike) is kept exactly, and keys of different components (or passes) meet only by a 64-bit accident.
@@ -49,12 +53,15 @@ from typing import Any
 import numpy as np
 
 from sae_env.sources._io import check_options
+from sae_env.sources.azure import AzureProcess, load_process
 from sae_env.sources.synthetic import phase_of, poisson_arrivals, read_config_file
 from sae_env.trace import LoadReport, Trace, csr_offsets, mix64
 
-__all__ = ["Component", "MixConfig", "MixPhase", "ON_EXHAUSTED", "component_of", "interleave", "load", "phase_of"]
+__all__ = ["ARRIVAL_PROCESSES", "Component", "MixArrivals", "MixConfig", "MixPhase", "ON_EXHAUSTED",
+           "component_of", "interleave", "load", "phase_of"]
 
 ON_EXHAUSTED = ("cycle", "repeat", "stop")
+ARRIVAL_PROCESSES = ("poisson", "azure")
 _MAX_EXPECTED_SESSIONS = 5_000_000
 
 
@@ -119,12 +126,52 @@ class MixPhase:
 
 
 @dataclass(frozen=True)
+class MixArrivals:
+    """How session starts arrive: ``poisson``, or ``azure`` from an Azure LLM-inference CSV (``path``) or an
+    embedded one (``trace``: ``azure_conv``, the default, or ``azure_code``)."""
+
+    process: str = "poisson"
+    trace: str | None = None
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        from sae_env import data  # noqa: PLC0415 - paths of the embedded traces
+
+        if self.process not in ARRIVAL_PROCESSES:
+            raise ValueError(f"arrivals: process must be one of {list(ARRIVAL_PROCESSES)}, got {self.process!r}")
+        if self.process == "poisson" and (self.trace is not None or self.path is not None):
+            raise ValueError("arrivals: a poisson process takes no trace or path")
+        if self.trace is not None and self.path is not None:
+            raise ValueError("arrivals: give trace (an embedded Azure trace) or path (a CSV file), not both")
+        azure = sorted(k for k, (_, src) in data.ALL.items() if src == "azure")
+        if self.trace is not None and self.trace not in azure:
+            raise ValueError(f"arrivals: trace must be an embedded Azure trace ({azure}), got {self.trace!r}")
+        if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
+            raise ValueError(f"arrivals: path must be a string, got {self.path!r}")
+        if self.process == "azure" and self.trace is None and self.path is None:
+            object.__setattr__(self, "trace", "azure_conv")
+        object.__setattr__(self, "path", None if self.path is None else str(self.path))
+
+    def file(self, base: Path | None = None) -> Path | None:
+        """The Azure CSV to read (None for Poisson); a relative ``path`` is taken against ``base``."""
+        from sae_env import data  # noqa: PLC0415
+
+        if self.process != "azure":
+            return None
+        if self.trace is not None:
+            return data.ALL[self.trace][0]
+        path = Path(self.path)
+        return base / path if base is not None and not path.is_absolute() else path
+
+
+@dataclass(frozen=True)
 class MixConfig:
     components: tuple[Component, ...]
     phases: tuple[MixPhase, ...]
     seed: int = 0
     on_exhausted: str = "cycle"
     block_size: int | None = None  # if set, every component must have this block size
+    arrivals: MixArrivals = field(default_factory=MixArrivals)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "components", tuple(self.components))
@@ -170,6 +217,10 @@ class MixConfig:
         kw["components"] = tuple(_sub(Component, c, f"{where}.components[{i}]")
                                  for i, c in enumerate(kw["components"]))
         kw["phases"] = tuple(_sub(MixPhase, p, f"{where}.phases[{i}]") for i, p in enumerate(kw["phases"]))
+        if "arrivals" in kw:
+            arrivals = kw["arrivals"]
+            kw["arrivals"] = _sub(MixArrivals, {"process": arrivals} if isinstance(arrivals, str) else arrivals,
+                                  f"{where}.arrivals")
         try:
             return cls(**kw)
         except (ValueError, TypeError) as e:
@@ -179,6 +230,7 @@ class MixConfig:
         d = asdict(self)
         d["components"] = [asdict(c) for c in self.components]
         d["phases"] = [asdict(p) for p in self.phases]
+        d["arrivals"] = asdict(self.arrivals)
         return d
 
 
@@ -261,11 +313,32 @@ def _sessions(trace: Trace) -> _Sessions:
     return _Sessions(order=order, offsets=csr_offsets(counts), rel_t=rel_t, origin=uniq[by_first])
 
 
-def interleave(traces: Sequence[Trace], config: MixConfig) -> tuple[Trace, dict[str, Any]]:
+def azure_arrivals(rng: np.random.Generator, process: AzureProcess, durations: Sequence[float],
+                   rates: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """Session start times from stretches of a recorded arrival process, and the phase index of each (sorted).
+
+    Phase ``i`` takes the stretch of ``durations[i]`` seconds that starts at an offset drawn uniformly over one copy
+    of the process scaled to ``rates[i]`` per second (:meth:`AzureProcess.window_times`)."""
+    times, phase = [], []
+    start = 0.0
+    for i, (d, r) in enumerate(zip(durations, rates, strict=True)):
+        t = np.zeros(0)
+        if r > 0:
+            offset = float(rng.uniform(0.0, process.period(r)))
+            t = process.window_times(offset, d, r)
+        times.append(start + t)
+        phase.append(np.full(t.size, i, dtype=np.int64))
+        start += d
+    return np.concatenate(times), np.concatenate(phase)
+
+
+def interleave(traces: Sequence[Trace], config: MixConfig,
+               process: AzureProcess | None = None) -> tuple[Trace, dict[str, Any]]:
     """Re-time and interleave the sessions of ``traces`` (one per ``config.components``, same order).
 
-    Returns the mixed trace and statistics (sessions used / dropped per component, passes). ``trace.meta`` records
-    the config, the phases and the per-session component, origin and pass.
+    ``process``: the arrival process of ``config.arrivals`` when it is ``azure`` (:func:`load` reads it). Returns
+    the mixed trace and statistics (sessions used / dropped per component, passes). ``trace.meta`` records the
+    config, the phases and the per-session component, origin and pass.
     """
     comps = config.components
     names = [c.name for c in comps]
@@ -287,7 +360,13 @@ def interleave(traces: Sequence[Trace], config: MixConfig) -> tuple[Trace, dict[
         raise ValueError(f"mix: component(s) {empty} have no requests but a positive weight in some phase")
 
     rng = np.random.default_rng(config.seed)
-    starts, phase = poisson_arrivals(rng, [p.duration for p in config.phases], [p.rate for p in config.phases])
+    durations, rates = [p.duration for p in config.phases], [p.rate for p in config.phases]
+    if config.arrivals.process == "azure":
+        if process is None:
+            raise ValueError("mix: arrivals 'azure' need the Azure arrival process (mix.load reads it)")
+        starts, phase = azure_arrivals(rng, process, durations, rates)
+    else:
+        starts, phase = poisson_arrivals(rng, durations, rates)
     comp = np.zeros(starts.size, dtype=np.int64)
     for i in range(len(config.phases)):
         sel = np.flatnonzero(phase == i)
@@ -407,7 +486,9 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> tuple[Trace, 
         tr, rep = load_source(comp.source, cpath, **copts)
         traces.append(tr)
         reports.append(rep)
-    trace, stats = interleave(traces, config)
+    arrivals_file = config.arrivals.file(base)
+    process = None if arrivals_file is None else load_process(arrivals_file, on_error=on_error or "raise")
+    trace, stats = interleave(traces, config, process)
 
     report = LoadReport(source="mix", path=str(path) if path is not None else "<options>",
                         rows_read=sum(r.rows_read for r in reports))
@@ -417,7 +498,10 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> tuple[Trace, 
         report.notes += [f"{comp.name}: {note}" for note in rep.notes]
     report.notes.append(f"{len(trace)} requests in {len(trace.meta['session_component'])} sessions; "
                         f"sessions used per component {stats['sessions_used']} of {stats['sessions_available']}")
-    report.notes.append(f"session starts: Poisson per phase, component by the phase's weights; when a component runs "
+    start_note = ("Poisson per phase" if process is None else
+                  f"stretches of the Azure arrival process in {arrivals_file.name} ({len(process)} arrivals over "
+                  f"{process.duration:.0f} s), scaled to each phase's rate")
+    report.notes.append(f"session starts: {start_note}, component by the phase's weights; when a component runs "
                         f"out: {config.on_exhausted} (passes {stats['passes']}, dropped {stats['dropped_exhausted']})")
     report.notes.append("keys salted per component" + (" and pass" if config.on_exhausted == "cycle" else "")
                         + " (a bijection per salt: equalities within a component kept, none added across)")
