@@ -96,14 +96,17 @@ def add_ppo_command(subparsers: Any) -> argparse.ArgumentParser:
                               description="Train PPO (actor-critic MLP, Gaussian actions around the policy's "
                               "defaults, GAE, clipped objective) on PrefixCacheEnv and write checkpoint.pt, "
                               "metrics.json, config.json (and eval.json with an 'eval' section) to --out.")
-    p.add_argument("--config", default="configs/ppo.yaml", help="run configuration (default configs/ppo.yaml)")
+    p.add_argument("--config", default="ppo", help="run configuration: a file, or a shipped config by name "
+                   "(default: ppo, i.e. configs/ppo.yaml)")
     p.add_argument("--out", metavar="DIR", help="output folder (default runs/ppo-<date>-<time>)")
-    p.add_argument("--total-steps", type=int, help="override ppo.total_steps")
-    p.add_argument("--seed", type=int, help="override seed")
+    core_cli.add_set_option(p, "--set ppo.num_envs=4 --set env.capacity=0.05")
+    p.add_argument("--total-steps", type=int, help="override ppo.total_steps (= --set ppo.total_steps=N)")
+    p.add_argument("--seed", type=int, help="override seed (= --set seed=N)")
     core_cli.add_wandb_options(p)
     p.set_defaults(func=_run("agents.ppo:cmd_ppo"))
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    return core_cli.main(argv, extensions=[AgentsExtension()])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The command line with the agents' extension (``train.py`` and the ``saecache-gym`` console script)."""
+    return core_cli.main(argv, extensions=[AgentsExtension()], prog=prog)

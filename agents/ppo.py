@@ -140,9 +140,10 @@ def read_run_config(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, 
     if isinstance(source, Mapping):
         data, where = dict(source), "ppo run config"
     else:
-        from sae_env.files import read_mapping
+        from sae_env.files import read_mapping, resolve_paths
 
         data, where = read_mapping(source, "ppo run config")
+        data = resolve_paths(data, Path(source).parent)  # relative trace / predictor paths: next to the file
     unknown = sorted(set(data) - RUN_KEYS)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; valid: {sorted(RUN_KEYS)}")
@@ -686,11 +687,16 @@ def run(config_path: str | os.PathLike | Mapping[str, Any], out_dir: str | os.Pa
 
 
 def cmd_ppo(args: argparse.Namespace) -> int:
-    overrides: dict[str, Any] = {}
+    from sae_env.cli import config_path, parse_overrides
+    from sae_env.files import apply_overrides
+
+    overrides = parse_overrides(args.set)
     if args.total_steps is not None:
-        overrides["total_steps"] = args.total_steps
+        overrides["ppo.total_steps"] = args.total_steps
     if args.seed is not None:
         overrides["seed"] = args.seed
-    _, out = run(args.config, args.out, overrides, wandb_mode="disabled" if args.no_wandb else args.wandb)
+    path = config_path(args.config)
+    config = apply_overrides(read_run_config(path), overrides)
+    _, out = run(config, args.out, wandb_mode="disabled" if args.no_wandb else args.wandb)
     print(f"wrote {out / 'checkpoint.pt'}, {out / 'metrics.json'}, {out / 'config.json'}")
     return 0

@@ -182,21 +182,27 @@ _CONFIG_KEYS = {"env", "trials", "seed", "method", "objective", "eta", "min_step
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from sae_env.cli import config_path, parse_overrides
+    from sae_env.files import apply_overrides, resolve_paths
+
     config: dict[str, Any] = {}
+    where = "--set"
     if args.config:
-        config = _read_mapping(args.config, "--config")
-        unknown = sorted(set(config) - _CONFIG_KEYS)
-        if unknown:
-            raise ValueError(f"{args.config}: unknown key(s) {unknown}; valid: {sorted(_CONFIG_KEYS)}")
-    env_config = dict(config.get("env") or {})
+        path = config_path(args.config)
+        config, where = resolve_paths(_read_mapping(str(path), "--config"), path.parent), str(path)
     if args.env:
-        env_config.update(_read_mapping(args.env, "--env"))
+        config["env"] = {**(config.get("env") or {}), **_read_mapping(args.env, "--env")}
+    config = apply_overrides(config, parse_overrides(args.set))
+    unknown = sorted(set(config) - _CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; valid: {sorted(_CONFIG_KEYS)}")
+    env_config = dict(config.get("env") or {})
     n_trials = args.trials if args.trials is not None else config.get("trials", 16)
     seed = args.seed if args.seed is not None else config.get("seed", 0)
     method = args.method or config.get("method", "random")
     objective = args.objective or config.get("objective", "token_hit_rate")
     t0 = time.perf_counter()
-    best, results = tune_fixed(env_config, int(n_trials), int(seed), method, ray=not args.no_ray,
+    best, results = tune_fixed(env_config, int(n_trials), int(seed), method, ray=not args.serial,
                                objective=objective, eta=int(config.get("eta", 3)),
                                min_steps=int(config.get("min_steps", 2)), num_cpus=args.num_cpus,
                                ray_address=args.ray_address, progress=lambda m: print(m, file=sys.stderr))
@@ -213,7 +219,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     default = next((r for r in final if r["trial"] == 0), None)
     print(f"best trial {top['trial']}: {objective} {top['score']:.4f}"
           + (f" (defaults {default['score']:.4f})" if default is not None else "")
-          + f"; {len(results)} evaluations in {wall:.1f} s ({'ray' if not args.no_ray else 'serial'})")
+          + f"; {len(results)} evaluations in {wall:.1f} s ({'serial' if args.serial else 'ray'})")
     print(f"wrote {out} and {trials_path}")
     return 0
 
@@ -243,7 +249,10 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="seed of the draws and of every episode (default 0)")
     p.add_argument("--method", choices=METHODS, help="random (default) or halving (successive halving)")
     p.add_argument("--objective", help="summary key to optimise (default token_hit_rate)")
-    p.add_argument("--no-ray", action="store_true", help="run the trials serially in this process")
+    from sae_env.cli import add_serial_option, add_set_option
+
+    add_serial_option(p, "run the trials one after another in this process (no Ray)")
+    add_set_option(p, "--set env.capacity=0.05 --set trials=8")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray cluster (default: all)")
     p.add_argument("--ray-address", help="use an existing Ray cluster (its network setup is its owner's)")
     p.add_argument("--out", required=True, metavar="FILE", help="best parameters (.json); trials go to "

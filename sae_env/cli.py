@@ -1,4 +1,5 @@
-"""The command line (``python train.py ...`` or ``saecache-gym ...``): parse, then call the library.
+"""The command line (``python train.py ...``, ``saecache-gym ...`` or ``python -m sae_env ...``): parse, then call
+the library.
 
 Subcommands:
   run            run an experiment config (``python train.py`` alone runs configs/quickstart.yaml)
@@ -24,11 +25,16 @@ import yaml
 from sae_env.files import write_json
 from sae_env.trace import Trace, TraceFormatError
 
-__all__ = ["CliExtension", "UsageError", "build_parser", "load_input", "main", "parse_options", "write_json"]
+__all__ = ["CliExtension", "UsageError", "build_parser", "config_path", "load_extensions", "load_input", "main",
+           "parse_options", "parse_overrides", "write_json"]
 
 DEFAULT_TRACE = "taubench"  # an embedded real trace (see sae_env/data/README.md)
+# The shipped configs, package data (sae_env/configs links to the repository's configs/ folder), so that an installed
+# package finds them from any folder.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
 # The default experiment: embedded real traces, the main agents, about a minute on 2 cores.
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
+DEFAULT_CONFIG = SHIPPED_CONFIGS / "quickstart.yaml"
+EXTENSION_GROUP = "saecache_gym.cli"  # entry points of CliExtension factories (the agents package declares one)
 
 
 class UsageError(ValueError):
@@ -57,15 +63,51 @@ class CliExtension(Protocol):
 
 # -- helpers -------------------------------------------------------------------------------------------------------
 
-def parse_options(pairs: list[str] | None) -> dict[str, Any]:
+def parse_options(pairs: list[str] | None, flag: str = "--opt") -> dict[str, Any]:
     """``["rate=2", "seed=3"]`` -> ``{"rate": 2, "seed": 3}`` (values parsed as YAML scalars)."""
     out: dict[str, Any] = {}
     for pair in pairs or []:
-        if "=" not in pair:
-            raise UsageError(f"--opt expects KEY=VALUE, got '{pair}'")
+        if "=" not in pair or not pair.split("=", 1)[0].strip():
+            raise UsageError(f"{flag} expects KEY=VALUE, got '{pair}'")
         k, v = pair.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
+        try:
+            out[k.strip()] = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            raise UsageError(f"{flag} {pair}: the value is not YAML ({str(e).splitlines()[0]})") from None
     return out
+
+
+def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
+    """``--set KEY=VALUE`` pairs (KEY dotted for nested keys, VALUE YAML): the same for run, ppo and tune."""
+    return parse_options(pairs, "--set")
+
+
+def add_set_option(p: argparse.ArgumentParser, example: str) -> None:
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (YAML value; dotted "
+                   f"keys for nested ones, list items by position), e.g. {example}")
+
+
+def config_path(value: str | None, default: Path = DEFAULT_CONFIG) -> Path:
+    """The config file a command names: a path as given, else a shipped config by name (``load_sweep``,
+    ``load_sweep.yaml`` or ``configs/load_sweep.yaml``), so that an installed package runs them from any folder."""
+    if value is None:
+        return default
+    path = Path(value)
+    if path.exists():
+        return path
+    shipped = SHIPPED_CONFIGS / (path.name if path.suffix else f"{path.name}.yaml")
+    if not path.is_absolute() and path.parent in (Path("."), Path("configs")) and shipped.exists():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml")))
+    raise UsageError(f"config file {value} does not exist (shipped configs, by name: {names})")
+
+
+def load_extensions() -> list[CliExtension]:
+    """The installed :class:`CliExtension` objects (entry points of group :data:`EXTENSION_GROUP`): how
+    ``python -m sae_env`` finds the agents' commands without importing the agents package by name."""
+    from importlib.metadata import entry_points
+
+    return [ep.load()() for ep in sorted(entry_points(group=EXTENSION_GROUP), key=lambda ep: ep.name)]
 
 
 def load_input(trace: str, source: str | None, options: dict[str, Any],
@@ -213,26 +255,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sae_env.experiment import ConfigError, is_ppo_config, load_config, run_experiment
     from sae_env.files import read_mapping
 
-    path = Path(args.config) if args.config else DEFAULT_CONFIG
-    if not path.exists():
-        raise UsageError(f"config file {path} does not exist (shipped configs: configs/*.yaml)")
+    path = config_path(args.config)
     try:
         data, where = read_mapping(path, "config")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    prog = getattr(args, "prog", "train.py")
     if is_ppo_config(data):
-        print(f"{path} is a PPO training config: running `train.py ppo --config {path}`", file=sys.stderr)
-        parser = build_parser(args.extensions)
-        ns = parser.parse_args(["ppo", "--config", str(path)])
-        ns.extensions = args.extensions
+        print(f"{path} is a PPO training config: running `{prog} ppo --config {path}`", file=sys.stderr)
+        parser = build_parser(args.extensions, prog=prog)
+        argv = ["ppo", "--config", str(path), *(f"--set={pair}" for pair in args.set or ())]
+        if args.no_wandb or args.wandb:
+            argv += ["--wandb", "disabled" if args.no_wandb else args.wandb]
+        ns = parser.parse_args(argv)
+        ns.extensions, ns.prog = args.extensions, prog
         return ns.func(ns)
     runners = [r for r in (getattr(ext, "cell_runner", lambda: None)() for ext in args.extensions) if r is not None]
     if not runners:
-        raise UsageError("running experiments needs a cell runner: start it through train.py (the agents package)")
-    overrides = parse_options(args.set)
+        raise UsageError(f"running experiments needs a cell runner: start it through train.py, saecache-gym or "
+                         f"python -m sae_env with the agents package installed (not {prog})")
+    overrides = parse_overrides(args.set)
     if args.output:
         overrides["output"] = args.output
-    config = load_config(data, runners[0], overrides, where=where)
+    config = load_config(data, runners[0], overrides, where=where, base=path.parent)
     wandb_mode = "disabled" if args.no_wandb else args.wandb
     run = run_experiment(config, runners[0], serial=True if args.serial else None, ray_address=args.ray_address,
                          num_cpus=args.num_cpus, run_id=args.run_id or (_fresh_id(config) if args.fresh else None),
@@ -256,7 +301,7 @@ def _fresh_id(config: Any) -> str:
 def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="experiment YAML (default: configs/quickstart.yaml); a PPO "
                    "config (with 'ppo:') runs `train.py ppo`")
-    p.add_argument("--serial", action="store_true", help="run the cells one after another in this process (no Ray)")
+    add_serial_option(p, "run the cells one after another in this process (no Ray)")
     p.add_argument("--ray-address", metavar="ADDR", help="run on an existing Ray cluster (its network setup is its "
                    "owner's); default: a private local cluster that sends nothing off the machine")
     p.add_argument("--num-cpus", type=int, metavar="N", help="CPUs of the local Ray cluster (default: all)")
@@ -265,10 +310,28 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh", action="store_true", help="compute every cell again in a new run folder (no resuming, "
                    "no reuse of earlier runs' cells; e.g. after changing the code)")
     p.add_argument("--output", metavar="DIR", help="output folder (default: the config's 'output', runs)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a top-level config key (YAML "
-                   "value), e.g. --set seeds=[0,1,2] --set window=50")
+    add_set_option(p, "--set seeds=[0,1,2] --set serving.model=instant")
     add_wandb_options(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+class _Deprecated(argparse.Action):
+    """A former spelling of a flag: does what the flag does, and says so once on stderr."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, replacement: str = "", **kw: Any) -> None:
+        self.replacement = replacement
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        print(f"warning: {option_string} is deprecated; use {self.replacement}", file=sys.stderr)
+        setattr(namespace, self.dest, True)
+
+
+def add_serial_option(p: argparse.ArgumentParser, help_: str) -> None:
+    """``--serial``: one name, across subcommands, for running in this process without Ray (``--no-ray``, tune's
+    former spelling, still works)."""
+    p.add_argument("--serial", action="store_true", help=help_)
+    p.add_argument("--no-ray", dest="serial", action=_Deprecated, replacement="--serial", help=argparse.SUPPRESS)
 
 
 def add_wandb_options(p: argparse.ArgumentParser) -> None:
@@ -288,8 +351,10 @@ def _policy_names() -> list[str]:
 
 # -- parser --------------------------------------------------------------------------------------------------------
 
-def build_parser(extensions: Sequence[CliExtension] = ()) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="train.py", description="SAECache-Gym: prefix-cache eviction agents in a "
+def build_parser(extensions: Sequence[CliExtension] = (), prog: str | None = None) -> argparse.ArgumentParser:
+    """The parser; ``prog`` names the program in usage lines (default: how it was started, e.g. ``train.py`` or
+    ``saecache-gym``)."""
+    p = argparse.ArgumentParser(prog=prog, description="SAECache-Gym: prefix-cache eviction agents in a "
                                 "Gymnasium environment. With no subcommand: run an experiment (the options below; "
                                 "default configs/quickstart.yaml).")
     add_run_options(p)
@@ -352,11 +417,12 @@ def build_parser(extensions: Sequence[CliExtension] = ()) -> argparse.ArgumentPa
     return p
 
 
-def main(argv: list[str] | None = None, extensions: Sequence[CliExtension] = ()) -> int:
+def main(argv: list[str] | None = None, extensions: Sequence[CliExtension] = (), prog: str | None = None) -> int:
     """Run the command line; ``extensions`` (from ``agents``) add subcommands and learned components."""
-    parser = build_parser(extensions)
+    parser = build_parser(extensions, prog)
     args = parser.parse_args(argv)
     args.extensions = tuple(extensions)
+    args.prog = parser.prog
     func = getattr(args, "func", cmd_run)
     try:
         return func(args)

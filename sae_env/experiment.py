@@ -57,7 +57,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from sae_env.files import read_mapping, write_json
+from sae_env.files import apply_overrides, read_mapping, resolve_paths, write_json
 from sae_env.trace import Trace
 from sae_env.tracking import WANDB_MODES
 
@@ -374,9 +374,16 @@ def is_ppo_config(data: Mapping[str, Any]) -> bool:
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any], runner: CellRunner | None = None,
-                overrides: Mapping[str, Any] | None = None, where: str | None = None) -> ExperimentConfig:
-    """An :class:`ExperimentConfig` from a YAML file or a mapping (read from ``where``, for messages);
-    ``overrides`` replace top-level keys."""
+                overrides: Mapping[str, Any] | None = None, where: str | None = None,
+                base: str | os.PathLike | None = None) -> ExperimentConfig:
+    """An :class:`ExperimentConfig` from a YAML file or a mapping (read from ``where``, for messages).
+
+    Relative paths of input files in the config (traces, parameter files, checkpoints:
+    :data:`sae_env.files.PATH_KEYS`) are taken against the config file's folder (``base`` for a mapping read from a
+    file) when they name something there; ``output`` and ``wandb.dir`` stay relative to the working folder.
+    ``overrides`` then set keys, dotted for nested ones (``{"serving.model": "instant", "seeds": [0, 1]}``, as
+    ``--set``).
+    """
     if isinstance(source, Mapping):
         data, where = dict(source), where or "config"
     else:
@@ -384,9 +391,16 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], runner: CellRunne
             data, where = read_mapping(source, "config")
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        base = Path(source).parent
     if is_ppo_config(data):
         raise ConfigError(f"{where} is a PPO training config: run it with `python train.py ppo --config {where}`")
-    data = {**data, **(overrides or {})}
+    data = resolve_paths(data, base)
+    if isinstance(data.get("serving"), str):  # the shorthand, spelled out so that --set serving.model=... applies
+        data["serving"] = {"model": data["serving"]}
+    try:
+        data = apply_overrides(data, overrides or {})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         return ExperimentConfig.from_dict(data, runner, where)
     except ConfigError as e:

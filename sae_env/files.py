@@ -1,5 +1,6 @@
-"""Small file helpers shared by the command line, the experiment runner and the agents: atomic JSON writes and
-YAML / JSON mappings read with errors that name the file.
+"""Small file helpers shared by the command line, the experiment runner and the agents: atomic JSON writes,
+YAML / JSON mappings read with errors that name the file, and what every config file gets: ``--set`` overrides with
+dotted keys (:func:`apply_overrides`) and relative paths taken against the config's folder (:func:`resolve_paths`).
 
 Writes are atomic (a temporary file in the same folder, then a rename): a reader, or a rerun that resumes, sees the
 whole file or none. Reads use ``yaml.safe_load`` (JSON is YAML), never pickle.
@@ -13,7 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["json_default", "parse_document", "read_mapping", "write_json"]
+__all__ = ["PATH_KEYS", "apply_overrides", "json_default", "parse_document", "read_mapping", "relative_to",
+           "resolve_paths", "write_json"]
 
 
 def json_default(o: Any) -> Any:
@@ -72,3 +74,64 @@ def read_mapping(source: str | os.PathLike, what: str, inline: bool = False) -> 
     if not isinstance(data, Mapping):
         raise ValueError(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
     return dict(data), where
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any], where: str = "--set") -> dict[str, Any]:
+    """``data`` with each override applied: a key is a dotted path (``serving.model``, ``ppo.total_steps``,
+    ``agents.1.name``) whose missing mappings are created; a list is indexed by position. ValueError naming the key
+    when a step of the path is neither (``serving`` given as a string, an index out of range). Returns a copy."""
+    import copy
+
+    out = copy.deepcopy(dict(data))
+    for dotted, value in overrides.items():
+        parts = str(dotted).split(".")
+        if not all(parts):
+            raise ValueError(f"{where} {dotted}: empty part in the key (write it as a.b.c)")
+        node: Any = out
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            here = ".".join(parts[:i]) or "the config"
+            if isinstance(node, list):
+                if not (part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node)):
+                    raise ValueError(f"{where} {dotted}: {here} is a list of {len(node)}; {part!r} is not an index "
+                                     "of it")
+                if last:
+                    node[int(part)] = value
+                else:
+                    node = node[int(part)]
+            elif isinstance(node, dict):
+                if last:
+                    node[part] = value
+                else:
+                    if node.get(part) is None:
+                        node[part] = {}
+                    node = node[part]
+            else:
+                raise ValueError(f"{where} {dotted}: {here} is {node!r}, not a mapping; set {here} itself "
+                                 f"(e.g. {where} {here}={{...}})")
+    return out
+
+
+# Keys of a config whose relative paths name files (trace specs, agent and policy options).
+PATH_KEYS = frozenset({"trace", "path", "tools", "params", "checkpoint", "predictor"})
+
+
+def relative_to(base: str | os.PathLike | None, value: Any) -> Any:
+    """A relative path of a config file, taken against the file's folder ``base`` when it names something there;
+    anything else unchanged (absolute paths, embedded trace names, presets, and paths that exist only relative to
+    the working folder, as they were read before configs had a folder of their own)."""
+    if base is None or not isinstance(value, str) or not value or Path(value).is_absolute():
+        return value
+    candidate = Path(base) / value
+    return str(candidate) if candidate.exists() else value
+
+
+def resolve_paths(data: Any, base: str | os.PathLike | None) -> Any:
+    """``data`` (a config's mapping, or part of it) with the values of :data:`PATH_KEYS` at any depth taken through
+    :func:`relative_to`; a copy."""
+    if isinstance(data, Mapping):
+        return {k: relative_to(base, v) if k in PATH_KEYS and isinstance(v, str) else resolve_paths(v, base)
+                for k, v in data.items()}
+    if isinstance(data, list):
+        return [resolve_paths(v, base) for v in data]
+    return data
