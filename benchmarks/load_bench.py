@@ -87,6 +87,23 @@ def main() -> None:
         print(f"load the same trace from .npz                     {dt_npz:8.3f} {n / dt_npz:12,.0f}")
         print(f"mooncake_load_vs_json_parse={dt / dt_ref:.2f}")
 
+        # One request of many blocks against the same blocks cut into requests of 100: chaining must stay linear in
+        # the blocks of a request (it once spent 63 s on one 1 M-block request).
+        from sae_env.trace import MAX_TOKENS, chain_keys
+
+        ids = np.random.default_rng(1).integers(0, 2**63, size=args.blocks).astype(np.uint64)
+        dt_rows, _ = timed(lambda: chain_keys(ids, np.arange(0, ids.size + 1, 100)), args.repeat)
+        dt_one, _ = timed(lambda: chain_keys(ids, np.array([0, ids.size])), args.repeat)
+        print(f"chain_keys {ids.size:,} blocks in rows of 100              {dt_rows:8.3f} {ids.size / dt_rows:12,.0f}")
+        print(f"chain_keys the same blocks as one request          {dt_one:8.3f} {ids.size / dt_one:12,.0f}")
+        print(f"chain_one_request_vs_rows={dt_one / dt_rows:.2f}")
+        one = Path(tmp) / "mooncake_one.jsonl"
+        n_one = MAX_TOKENS // 512  # the longest request the loader accepts
+        one.write_text(json.dumps({"timestamp": 0, "input_length": 512 * n_one, "output_length": 1,
+                                   "hash_ids": list(range(n_one))}) + "\n")
+        dt_big, _ = timed(lambda: load_source("mooncake", one), args.repeat)
+        print(f"load one mooncake request of {n_one:,} blocks        {dt_big:8.3f} {n_one / dt_big:12,.0f}")
+
 
 if __name__ == "__main__":
     main()

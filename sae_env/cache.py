@@ -139,7 +139,7 @@ def resolve_capacity(capacity: float | int | str, distinct_blocks: int | None = 
     """Capacity in blocks from a number of blocks, a fraction of the trace's distinct blocks, or KV bytes.
 
     Accepted: an int >= 1 (blocks; a whole float above 1 too); a float in (0, 1] (fraction of ``distinct_blocks``,
-    so ``1.0`` is all of them); a string ``"12%"``
+    so ``1.0`` is all of them; a fraction that rounds to no block at all is an error); a string ``"12%"``
     (percentage of distinct blocks), ``"8GiB"`` / ``"500MB"`` (bytes of KV memory, needs ``kv_bytes_per_token`` and
     ``block_size``) or a plain number.
     """
@@ -171,6 +171,10 @@ def resolve_capacity(capacity: float | int | str, distinct_blocks: int | None = 
                              "size in bytes (e.g. 4096, 0.15, '15%', '2GiB')") from None
     if isinstance(capacity, bool) or not isinstance(capacity, (int, float, np.integer, np.floating)):
         raise ValueError(f"capacity must be a number or a string, got {capacity!r}")
+    if isinstance(capacity, int) and not 0 < capacity < 2**63:  # before numpy, which has no 400-digit integers
+        text = str(capacity)
+        raise ValueError(f"capacity must be a positive number of blocks below 2**63, got "
+                         f"{text if len(text) <= 40 else text[:20] + f'...({len(text)} digits)'}")
     if not np.isfinite(capacity) or capacity <= 0:
         raise ValueError(f"capacity must be positive, got {capacity}")
     if isinstance(capacity, (float, np.floating)) and capacity > 1 and not float(capacity).is_integer():
@@ -178,7 +182,12 @@ def resolve_capacity(capacity: float | int | str, distinct_blocks: int | None = 
     if isinstance(capacity, (float, np.floating)) and capacity <= 1:  # a fraction of the distinct blocks, 1.0 = all
         if distinct_blocks is None:
             raise ValueError("a fractional capacity needs the trace's number of distinct blocks")
-        return max(1, int(round(capacity * distinct_blocks)))
+        blocks = int(round(capacity * distinct_blocks))
+        if blocks < 1:  # not silently one block: the user asked for something else
+            raise ValueError(f"capacity {capacity:g} of the trace's {distinct_blocks} distinct blocks is "
+                             f"{capacity * distinct_blocks:.3g} blocks, less than one; give a larger fraction or a "
+                             "number of blocks")
+        return blocks
     return int(capacity)
 
 

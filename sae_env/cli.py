@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from sae_env.files import write_json
+from sae_env.files import check_output_file, write_json
 from sae_env.trace import Trace, TraceFormatError
 
 __all__ = ["CliExtension", "UsageError", "build_parser", "config_path", "load_extensions", "load_input", "main",
@@ -128,6 +128,15 @@ def load_input(trace: str, source: str | None, options: dict[str, Any],
     return trace_obj, report
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse unusable output paths before any work: ``--json`` a folder, ``--plots`` an existing file."""
+    if getattr(args, "json", None):
+        check_output_file(args.json, "--json")
+    plots = getattr(args, "plots", None)
+    if plots and Path(plots).exists() and not Path(plots).is_dir():
+        raise UsageError(f"--plots {plots} is a file; give a folder for the plots")
+
+
 def _fmt(v: Any, width: int = 12) -> str:
     if v is None:
         return "-".rjust(width)
@@ -141,6 +150,7 @@ def _fmt(v: Any, width: int = 12) -> str:
 def cmd_characterize(args: argparse.Namespace) -> int:
     from sae_env.characterize import characterize, format_table
 
+    _check_outputs(args)
     trace, report = load_input(args.trace, args.source, parse_options(args.opt))
     print(report, file=sys.stderr)
     result = characterize(trace)
@@ -193,6 +203,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     bad = [p for p in names if p not in valid]
     if not names or bad:
         raise UsageError(f"unknown policy {bad or args.policy!r}; valid policies: {', '.join(valid)}")
+    _check_outputs(args)
     trace, report = load_input(args.trace, args.source, parse_options(args.opt), args.block_size)
     print(report, file=sys.stderr)
     if args.load is not None:
@@ -426,14 +437,20 @@ def main(argv: list[str] | None = None, extensions: Sequence[CliExtension] = (),
     func = getattr(args, "func", cmd_run)
     try:
         return func(args)
-    except (UsageError, TraceFormatError, ValueError, FileNotFoundError) as e:
+    except (UsageError, TraceFormatError, ValueError, OSError) as e:  # OSError: a path the user gave
         if os.environ.get("SAE_DEBUG"):
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line(e: BaseException) -> str:
+    """The error as one line (an exception's message may span several, e.g. YAML's)."""
+    text = " ".join(str(e).split("\n")).strip()
+    return text or type(e).__name__
 
 
 if __name__ == "__main__":

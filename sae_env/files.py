@@ -10,12 +10,49 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PATH_KEYS", "apply_overrides", "json_default", "parse_document", "read_mapping", "relative_to",
-           "resolve_paths", "write_json"]
+__all__ = ["PATH_KEYS", "apply_overrides", "atomic_path", "check_output_file", "json_default", "parse_document",
+           "read_mapping", "relative_to", "resolve_paths", "write_json", "write_text"]
+
+
+def check_output_file(path: str | os.PathLike, what: str = "output") -> Path:
+    """``path`` as a file to write: ValueError when it is a folder (or its parent is a file), before any work."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder; give a file name")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{what} {path}: {parent} is a file, not a folder")
+            break
+    return path
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path next to ``path``, renamed onto ``path`` when the body succeeds and removed when it fails
+    (parents are created). The temporary name ends in ``.tmp``, so globs for the real suffix never see a half-written
+    file; writers that infer a format from the suffix must be told it (``savefig(..., format="png")``)."""
+    path = check_output_file(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share a temp file
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` atomically (parents created)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
 
 
 def json_default(o: Any) -> Any:
@@ -31,12 +68,8 @@ def json_default(o: Any) -> Any:
 
 def write_json(path: str | os.PathLike, obj: Any, indent: int = 2, allow_nan: bool = True) -> str:
     """Write ``obj`` as JSON atomically (parents created); returns the text written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share a temp file
     text = json.dumps(obj, indent=indent, default=json_default, allow_nan=allow_nan) + "\n"
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_text(path, text)
     return text
 
 

@@ -38,6 +38,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from scipy import stats
 
+from sae_env.files import atomic_path
+
 __all__ = ["plot_gap_histograms", "plot_hit_by_offset", "plot_hit_rate_over_time", "plot_hit_rate_vs_capacity",
            "plot_param_trajectories", "plot_reuse_by_app", "plot_reuse_by_token_type", "plot_ttft_cdf",
            "plot_ttft_vs_load"]
@@ -47,8 +49,8 @@ _DPI = 110
 
 def _save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+    with atomic_path(path) as tmp:  # a reader (or W&B) never sees half a PNG
+        fig.savefig(tmp, dpi=_DPI, bbox_inches="tight", format=path.suffix.lstrip(".") or "png")
     return path
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from sae_env.files import atomic_path, write_text
 
 __all__ = ["SUMMARY_COLUMNS", "summary_rows", "write_report"]
 
@@ -64,13 +65,11 @@ def _csv_value(v: Any) -> Any:
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", newline="") as f:
+    with atomic_path(path) as tmp, tmp.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS)
         w.writeheader()
         for row in rows:
             w.writerow({k: _csv_value(row[k]) for k in SUMMARY_COLUMNS})
-    os.replace(tmp, path)
 
 
 def _mean_sd(values: list[float | None]) -> tuple[float | None, float | None]:
@@ -175,8 +174,5 @@ def write_report(run: Any) -> list[Path]:
                                 P.plot_hit_rate_over_time(results, out / "plots" / "hit_rate_over_time.png"))
                     if p is not None]
         figures += P.plot_param_trajectories(results, out / "plots")
-    report = out / "report.md"
-    tmp = report.with_name(f".{report.name}.{os.getpid()}.tmp")
-    tmp.write_text(_markdown(run, rows, figures))
-    os.replace(tmp, report)
+    report = write_text(out / "report.md", _markdown(run, rows, figures))
     return [out / "summary.csv", report, *figures]

@@ -18,6 +18,7 @@ Only full blocks are cache keys (vLLM caches full blocks only); ``prompt_tokens`
 from __future__ import annotations
 
 import enum
+import gzip
 import json
 import math
 import os
@@ -29,6 +30,9 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "MAX_TIME_S",
+    "MAX_TOKENS",
+    "MAX_TURN",
     "AppType",
     "LoadReport",
     "Request",
@@ -49,6 +53,20 @@ __all__ = [
 
 FORMAT_NAME = "sae-trace"
 FORMAT_VERSION = 1
+
+# What a trace may hold. Every source checks its input against these bounds and names the file, line and field of a
+# value outside them; Trace.validate checks them again for traces built in code.
+#: Arrival times lie in [0, MAX_TIME_S] seconds on the trace clock: 1e10 s is ~317 years, more than any real trace
+#: spans even on an absolute Unix clock (1.7e9 s today), while float64 still resolves 2 microseconds there. A
+#: larger value is a unit mistake or garbage (a wrapped nanosecond clock, an overflowed integer).
+MAX_TIME_S = 1e10
+#: Prompt and output lengths are at most MAX_TOKENS tokens per request: ten times the longest context windows served
+#: today (~10 M tokens). Blocks are arrays of that length / block_size, so one bad row cannot ask for gigabytes.
+MAX_TOKENS = 100_000_000
+#: ``turn`` is an int32 column.
+MAX_TURN = 2**31 - 1
+#: Keys and session ids are int64.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class TokenType(enum.IntEnum):
@@ -176,10 +194,84 @@ def chain_keys(content_ids: np.ndarray, offsets: np.ndarray, salt: int = 0) -> n
     for j in range(max_len):
         while alive and lens[alive - 1] <= j:
             alive -= 1
+        if alive < _FEW_ALIVE:
+            # A numpy pass per position costs ~20 us whatever its width: with few sequences left (one request of a
+            # million blocks), finish each one with a scalar loop instead, so the cost stays linear in the blocks.
+            for k in range(alive):
+                a, b = int(starts[k]) + j, int(starts[k] + lens[k])
+                out[a:b] = _chain_one(int(parent[k]), content[a:b])
+            break
         idx = starts[:alive] + j
         parent = _combine(parent[:alive], content[idx])
         out[idx] = parent
     return out.view(np.int64)
+
+
+_FEW_ALIVE = 16  # sequences: below this, a scalar loop per sequence beats a numpy pass per position
+_JIT_MIN = 500_000  # blocks: from here a compiled loop (numba, when installed) pays for its first compilation
+_U64 = (1 << 64) - 1
+_jitted: Any = None
+
+
+def _chain_one(parent: int, content: np.ndarray) -> np.ndarray:
+    """The chain of one sequence from ``parent``: exactly :func:`_combine` applied block after block."""
+    if content.size >= _JIT_MIN:
+        kernel = _chain_kernel()
+        if kernel is not None:
+            return kernel(np.uint64(parent), content)
+    g, m1, m2, mask = int(_GOLDEN), int(_M1), int(_M2), _U64
+    out = []
+    push = out.append
+    for c in content.tolist():
+        x = parent ^ g
+        x ^= x >> 30
+        x = (x * m1) & mask
+        x ^= x >> 27
+        x = (x * m2) & mask
+        x ^= x >> 31
+        x = (x + c * g) & mask
+        x ^= x >> 30
+        x = (x * m1) & mask
+        x ^= x >> 27
+        x = (x * m2) & mask
+        parent = x ^ (x >> 31)
+        push(parent)
+    return np.array(out, dtype=np.uint64)
+
+
+def _chain_kernel() -> Any:
+    """:func:`_chain_one` compiled with numba (None without numba); compiled once, on first use."""
+    global _jitted
+    if _jitted is None:
+        try:
+            import numba
+        except ImportError:
+            _jitted = False
+            return None
+        g, m1, m2 = _GOLDEN, _M1, _M2
+        s27, s30, s31 = np.uint64(27), np.uint64(30), np.uint64(31)
+
+        @numba.njit(cache=True, nogil=True)
+        def kernel(parent, content):  # uint64 arithmetic wraps as numpy's does
+            out = np.empty(content.size, dtype=np.uint64)
+            for i in range(content.size):
+                x = parent ^ g
+                x ^= x >> s30
+                x *= m1
+                x ^= x >> s27
+                x *= m2
+                x ^= x >> s31
+                x += content[i] * g
+                x ^= x >> s30
+                x *= m1
+                x ^= x >> s27
+                x *= m2
+                parent = x ^ (x >> s31)
+                out[i] = parent
+            return out
+
+        _jitted = kernel
+    return _jitted or None
 
 
 def content_hash(rows: np.ndarray) -> np.ndarray:
@@ -344,14 +436,18 @@ class Trace:
             raise TraceFormatError("arrival times must be finite", field="t")
         if n and (self.t < 0).any():
             raise TraceFormatError("arrival times must be >= 0", field="t")
+        if n and self.t.max() > MAX_TIME_S:
+            raise TraceFormatError(f"arrival times must be at most {MAX_TIME_S:.0e} s", field="t")
         if n > 1 and (np.diff(self.t) < 0).any():
             raise TraceFormatError("arrival times must be non-decreasing (sort the requests)", field="t")
         if (self.turn < 1).any():
             raise TraceFormatError("turn must be >= 1", field="turn")
         if ((self.app < 0) | (self.app >= N_APP_TYPES)).any():
             raise TraceFormatError("unknown AppType value", field="app")
-        if (self.prompt_tokens < 0).any() or (self.output_tokens < 0).any():
-            raise TraceFormatError("token counts must be >= 0", field="prompt_tokens/output_tokens")
+        for name in ("prompt_tokens", "output_tokens"):
+            col = getattr(self, name)
+            if n and (col.min() < 0 or col.max() > MAX_TOKENS):
+                raise TraceFormatError(f"token counts must lie in [0, {MAX_TOKENS:,}]", field=name)
         for kind in ("prompt", "output"):
             off = getattr(self, f"{kind}_offsets")
             keys = getattr(self, f"{kind}_keys")
@@ -495,7 +591,8 @@ class Trace:
 
     # -- persistence ---------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
-        """Write ``.npz`` (fast binary) or ``.jsonl`` (canonical text) according to the suffix; atomic."""
+        """Write ``.npz`` (fast binary) or ``.jsonl`` (canonical text; ``.jsonl.gz`` gzipped) according to the
+        suffix; atomic."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         if path.suffix == ".npz":
@@ -508,8 +605,9 @@ class Trace:
             arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
             with open(tmp, "wb") as f:
                 np.savez(f, **arrays)
-        elif path.suffix == ".jsonl":
-            with open(tmp, "w", encoding="utf-8") as f:
+        elif path.suffix == ".jsonl" or path.name.lower().endswith(".jsonl.gz"):
+            gz = path.suffix.lower() == ".gz"
+            with (gzip.open(tmp, "wt", encoding="utf-8") if gz else open(tmp, "w", encoding="utf-8")) as f:
                 f.write(json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION,
                                     "block_size": self.block_size, "meta": self.meta}) + "\n")
                 for i in range(len(self)):
@@ -525,26 +623,89 @@ class Trace:
                         row["features"] = [float(x) for x in self.features[i]]
                     f.write(json.dumps(row) + "\n")
         else:
-            raise ValueError(f"{path}: unknown trace file suffix '{path.suffix}' (use .npz or .jsonl)")
+            raise ValueError(f"{path}: unknown trace file suffix '{path.suffix}' (use .npz, .jsonl or .jsonl.gz)")
         os.replace(tmp, path)
         return path
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Trace:
-        """Read a trace written by :meth:`save` (``.npz`` or ``.jsonl``)."""
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: no such trace file")
+        """Read a trace written by :meth:`save` (``.npz``, ``.jsonl`` or a gzipped ``.jsonl.gz``).
+
+        Every field is checked (dtypes of ``.npz`` arrays too: nothing is coerced) and a bad one raises
+        :class:`TraceFormatError` naming the file, line and field.
+        """
+        from sae_env.sources._io import check_input_file  # the sources import this module
+
+        path = check_input_file(path)
         if path.suffix == ".npz":
             return _load_npz(path)
-        if path.suffix == ".jsonl":
+        if path.suffix == ".jsonl" or path.name.lower().endswith(".jsonl.gz"):
             return _load_jsonl(path)
-        raise TraceFormatError(f"unknown trace file suffix '{path.suffix}' (use .npz or .jsonl)", path=path)
+        raise TraceFormatError(f"unknown trace file suffix '{path.suffix}' (use .npz, .jsonl or .jsonl.gz)",
+                               path=path)
 
 
 def _gather(offsets: np.ndarray, idx: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Flat positions of the CSR rows ``idx`` (concatenated in that order)."""
     return concat_ranges(offsets[idx], lengths)
+
+
+# dtype kind each .npz array must have ("i": integers, "f": floats; "if": either) and its bounds.
+_NPZ_KINDS = {"t": "if", "session": "i", "turn": "i", "app": "i", "prompt_tokens": "i", "output_tokens": "i",
+              "prompt_offsets": "i", "prompt_keys": "iu", "prompt_types": "i", "output_offsets": "i",
+              "output_keys": "iu", "output_types": "i", "features": "if"}
+_NPZ_BOUNDS = {"t": (0, MAX_TIME_S), "turn": (1, MAX_TURN), "app": (0, N_APP_TYPES - 1),
+               "prompt_tokens": (0, MAX_TOKENS), "output_tokens": (0, MAX_TOKENS),
+               "prompt_types": (0, N_TOKEN_TYPES - 1), "output_types": (0, N_TOKEN_TYPES - 1)}
+
+
+def _check_npz_array(name: str, a: np.ndarray) -> None:
+    """Raise TraceFormatError (field ``name``) unless ``a`` holds values of the column's kind within its bounds."""
+    kinds = _NPZ_KINDS[name]
+    if a.dtype.kind not in kinds or a.dtype == np.bool_:
+        want = {"i": "integers", "if": "numbers", "iu": "integers"}[kinds]
+        raise TraceFormatError(f"must hold {want}, got dtype {a.dtype} (nothing is coerced)", field=name)
+    if a.ndim != (2 if name == "features" else 1):
+        raise TraceFormatError(f"must be {'2' if name == 'features' else '1'}-dimensional, got shape {a.shape}",
+                               field=name)
+    if a.size == 0:
+        return
+    if a.dtype.kind == "f" and not np.isfinite(a).all():
+        raise TraceFormatError("must be finite", field=name)
+    if name == "t" and a.dtype.kind == "i":
+        a = a.astype(np.float64)
+    if a.dtype.kind == "u" and a.dtype.itemsize == 8:
+        a = a.view(np.int64)  # keys are 64-bit patterns: uint64 is the same key space
+    if name in _NPZ_BOUNDS:
+        lo, hi = _NPZ_BOUNDS[name]
+        if a.min() < lo or a.max() > hi:
+            raise TraceFormatError(f"values must lie in [{lo}, {hi:g}], got [{a.min()}, {a.max()}]", field=name)
+    if name == "features" and np.abs(a).max() > np.finfo(np.float32).max:
+        raise TraceFormatError("values must fit in float32", field=name)
+
+
+def _check_header(header: Any, path: Path, line: int | None = None) -> tuple[int, dict[str, Any]]:
+    """The block size and meta of a native trace header (the JSON object that opens every file)."""
+    if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
+        raise TraceFormatError(f"not a {FORMAT_NAME} file (the header must say format: {FORMAT_NAME})", path=path,
+                               line=line, field="format")
+    version = header.get("version", FORMAT_VERSION)
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise TraceFormatError(f"unsupported version {version!r} (this code reads version {FORMAT_VERSION})",
+                               path=path, line=line, field="version")
+    if "block_size" not in header:
+        raise TraceFormatError("missing", path=path, line=line, field="block_size")
+    bs = header["block_size"]
+    if type(bs) is not int or not 1 <= bs <= MAX_TOKENS:
+        raise TraceFormatError(f"must be an integer in [1, {MAX_TOKENS:,}], got {_short(bs)}", path=path, line=line,
+                               field="block_size")
+    meta = header.get("meta", {})
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise TraceFormatError(f"must be a JSON object, got {type(meta).__name__}", path=path, line=line,
+                               field="meta")
+    return bs, meta
 
 
 def _load_npz(path: Path) -> Trace:
@@ -555,21 +716,33 @@ def _load_npz(path: Path) -> Trace:
         raise TraceFormatError(f"not a readable .npz trace ({e})", path=path) from e
     if "header" not in data:
         raise TraceFormatError("missing header", path=path, field="header")
-    header = json.loads(bytes(data.pop("header")).decode())
-    if header.get("format") != FORMAT_NAME:
-        raise TraceFormatError(f"not a {FORMAT_NAME} file", path=path, field="format")
+    raw = data.pop("header")
+    try:
+        if raw.dtype != np.uint8 or raw.ndim != 1:
+            raise ValueError(f"dtype {raw.dtype}, shape {raw.shape}")
+        header = json.loads(raw.tobytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TraceFormatError(f"not the UTF-8 bytes of a JSON object ({e})", path=path, field="header") from None
+    block_size, meta = _check_header(header, path)
     missing = [k for k in _REQ_FIELDS + ("prompt_offsets", "prompt_keys", "prompt_types") if k not in data]
     if missing:
         raise TraceFormatError(f"missing arrays {missing}", path=path)
+    unknown = sorted(set(data) - set(_NPZ_KINDS))
+    if unknown:
+        raise TraceFormatError(f"unknown arrays {unknown}", path=path)
     try:
-        return Trace(**data, block_size=header["block_size"], meta=header.get("meta", {}))
+        for name, a in data.items():
+            _check_npz_array(name, a)
+        return Trace(**data, block_size=block_size, meta=meta)
     except TraceFormatError as e:
         raise e.located(path) from e
 
 
 def _load_jsonl(path: Path) -> Trace:
+    from sae_env.sources._io import open_text  # gzip, BOM and decoding errors as every source handles them
+
     b = TraceBuilder(block_size=1)
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         first = f.readline()
         if not first.strip():
             raise TraceFormatError("empty file", path=path, line=1)
@@ -577,10 +750,7 @@ def _load_jsonl(path: Path) -> Trace:
             header = json.loads(first)
         except json.JSONDecodeError as e:
             raise TraceFormatError(f"malformed JSON header ({e.msg})", path=path, line=1) from e
-        if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
-            raise TraceFormatError(f"not a {FORMAT_NAME} file (first line must be its header)", path=path, line=1)
-        b.block_size = int(header["block_size"])
-        b.meta = header.get("meta", {})
+        b.block_size, b.meta = _check_header(header, path, line=1)
         for lineno, line in enumerate(f, start=2):
             if not line.strip():
                 continue
@@ -589,36 +759,84 @@ def _load_jsonl(path: Path) -> Trace:
             except json.JSONDecodeError as e:
                 raise TraceFormatError(f"malformed JSON ({e.msg})", path=path, line=lineno) from e
             try:
-                app = row["app"]
-                app = AppType[app.upper()] if isinstance(app, str) else AppType(app)
-                b.add(t=_num(row, "t"), session=int(_num(row, "session")), turn=int(_num(row, "turn")), app=app,
-                      prompt_tokens=int(_num(row, "prompt_tokens")), output_tokens=int(_num(row, "output_tokens")),
-                      prompt_keys=_int_list(row, "prompt_keys"), prompt_types=_int_list(row, "prompt_types"),
-                      output_keys=_int_list(row, "output_keys", []), output_types=_int_list(row, "output_types", []),
-                      features=row.get("features"))
+                if not isinstance(row, dict):
+                    raise TraceFormatError(f"a row must be a JSON object, got {type(row).__name__}")
+                b.add(t=_num(row, "t", 0, MAX_TIME_S), session=_int(row, "session", INT64_MIN, INT64_MAX),
+                      turn=_int(row, "turn", 1, MAX_TURN), app=_app(row),
+                      prompt_tokens=_int(row, "prompt_tokens", 0, MAX_TOKENS),
+                      output_tokens=_int(row, "output_tokens", 0, MAX_TOKENS),
+                      prompt_keys=_int_list(row, "prompt_keys"), prompt_types=_type_list(row, "prompt_types"),
+                      output_keys=_int_list(row, "output_keys", []),
+                      output_types=_type_list(row, "output_types", []), features=_features(row))
             except KeyError as e:
                 raise TraceFormatError("missing", path=path, line=lineno, field=str(e.args[0])) from e
             except TraceFormatError as e:
                 raise e.located(path, lineno) from e
-            except (TypeError, ValueError) as e:
-                raise TraceFormatError(f"bad value ({e})", path=path, line=lineno) from e
     try:
         return b.build()
     except TraceFormatError as e:
         raise e.located(path) from e
 
 
-def _num(row: dict, name: str) -> float:
+def _short(v: Any) -> str:
+    """``repr`` cut short: a 400-digit number must not fill the error line."""
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+def _num(row: dict, name: str, lo: float, hi: float) -> float:
     v = row[name]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise TraceFormatError(f"must be a finite number, got {v!r}", field=name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
+        raise TraceFormatError(f"must be a finite number, got {_short(v)}", field=name)
+    if not lo <= v <= hi:  # compared before any float conversion: a 400-digit integer has none
+        raise TraceFormatError(f"must lie in [{lo:g}, {hi:g}], got {_short(v)}", field=name)
+    return float(v)
+
+
+def _int(row: dict, name: str, lo: int, hi: int) -> int:
+    v = row[name]
+    if type(v) is not int:  # exact: a bool is not a count, 1.5 is not a turn
+        raise TraceFormatError(f"must be an integer, got {_short(v)}", field=name)
+    if not lo <= v <= hi:
+        raise TraceFormatError(f"must lie in [{lo}, {hi}], got {_short(v)}", field=name)
     return v
 
 
-def _int_list(row: dict, name: str, default: list | None = None) -> list[int]:
+def _app(row: dict) -> AppType:
+    app = row["app"]
+    if isinstance(app, str) and app.upper() in AppType.__members__:
+        return AppType[app.upper()]
+    if type(app) is int and 0 <= app < N_APP_TYPES:
+        return AppType(app)
+    raise TraceFormatError(f"must be one of {[a.name.lower() for a in AppType]}, got {_short(app)}", field="app")
+
+
+def _int_list(row: dict, name: str, default: list | None = None, lo: int = INT64_MIN,
+              hi: int = INT64_MAX) -> list[int]:
     v = row.get(name, default) if default is not None else row[name]
-    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise TraceFormatError("must be a list of integers", field=name)
+    if not isinstance(v, list):
+        raise TraceFormatError(f"must be a list of integers, got {type(v).__name__}", field=name)
+    for k, x in enumerate(v):
+        if type(x) is not int:
+            raise TraceFormatError(f"element {k} must be an integer, got {_short(x)}", field=name)
+        if not lo <= x <= hi:
+            raise TraceFormatError(f"element {k} must lie in [{lo}, {hi}], got {_short(x)}", field=name)
+    return v
+
+
+def _type_list(row: dict, name: str, default: list | None = None) -> list[int]:
+    return _int_list(row, name, default, 0, N_TOKEN_TYPES - 1)
+
+
+def _features(row: dict) -> list[float] | None:
+    v = row.get("features")
+    if v is None:
+        return None
+    limit = float(np.finfo(np.float32).max)
+    # abs() before isfinite(): an int has no float form past 1e308, and isfinite() would need one.
+    if not isinstance(v, list) or not all(
+            type(x) in (int, float) and abs(x) <= limit and math.isfinite(x) for x in v):
+        raise TraceFormatError("must be a list of finite numbers (float32)", field="features")
     return v
 
 

@@ -153,6 +153,14 @@ BAD = [
     ("NaT,100,8", "TIMESTAMP", "not a timestamp"),
     ("2023-11-16 18:17:04.1,100", None, "expected 3 comma-separated fields, got 2"),
     ("2023-11-16 18:17:04.1,100,8,9", None, "got 4"),
+    # issue 15: numpy's nanosecond datetimes wrapped these silently (a trace starting in 1752, gaps of 8.6e9 s)
+    ("-1,100,8", "TIMESTAMP", "must lie between 1970-01-01 and 2262-04-11, got '-1'"),
+    ("9999-12-31,100,8", "TIMESTAMP", "must lie between"),
+    ("1000-01-01,100,8", "TIMESTAMP", "must lie between"),
+    ("1969-12-31 23:59:59,100,8", "TIMESTAMP", "must lie between"),
+    # issue 15: one row of 1e10 tokens allocated gigabytes of keys
+    ("2023-11-16 18:17:04.1,10000000000,8", "ContextTokens", "at most 100,000,000 tokens"),
+    ("2023-11-16 18:17:04.1,100," + "9" * 400, "GeneratedTokens", "at most 100,000,000 tokens"),
 ]
 
 

@@ -274,6 +274,15 @@ BAD = [
     (_row(3, type_=7), "type", "must be a string"),
     (_row(3, ids=[1, 2]), "hash_ids", "has 2 ids but input_length=40 needs ceil"),
     (_row(3, ids=[1, None, 3]), "hash_ids", "element 1 must be an integer"),
+    # issue 15: past the int32 turn column (it wrapped), past the token bound, true read as id 1, nested lists
+    (_row(3, turn=2**63 - 1), "turn", "at most 2147483647"),
+    (_row(3, turn=10**400), "turn", "at most 2147483647"),
+    (_row(3, turn=1.5), "turn", "must be an integer"),
+    (_row(3, il=10**9, ids=[1, 2, 3]), "input_length", "at most 100,000,000 tokens"),
+    (_row(3, t=1e11), "timestamp", r"at most 1e\+10 s"),
+    (_row(3, ids=[1, True, 3]), "hash_ids", "element 1 must be an integer, got True"),
+    (_row(3, ids=[1, [2], 3]), "hash_ids", "element 1 must be an integer"),
+    (_row(2**63), "chat_id", "< 2\\*\\*63"),
 ]
 
 

@@ -49,7 +49,11 @@ def test_capacity_as_fraction_or_percentage():
     assert resolve_capacity("15%", distinct_blocks=1000) == 150
     assert resolve_capacity("0.5", distinct_blocks=10) == 5
     assert resolve_capacity(np.float64(0.25), distinct_blocks=8) == 2
-    assert resolve_capacity(0.001, distinct_blocks=10) == 1  # never below one block
+    assert resolve_capacity(0.06, distinct_blocks=10) == 1  # 0.6 blocks round to one
+    with pytest.raises(ValueError, match="less than one"):  # not silently one block (issue 15)
+        resolve_capacity(0.0000001, distinct_blocks=1405)
+    with pytest.raises(ValueError, match="below 2\\*\\*63"):
+        resolve_capacity(str(10**400))
     assert resolve_capacity("12.5%", distinct_blocks=80) == 10
 
 

@@ -67,6 +67,50 @@ def test_bad_input_exits_2_with_one_clear_line(argv, message, capsys):
     assert "error:" in err and message in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    # issue 15: each of these was a traceback
+    (["replay", "--trace", "synthetic", "--opt", "seed=[1"], "seed=[1: the value is not YAML"),
+    (["replay", "--trace", "synthetic", "--opt", "preset=tiny", "--opt", f"seed={2**64}"], "seed must fit in 64"),
+    (["replay", "--trace", "synthetic", "--opt", "preset=tiny", "--opt", f"seed={10**400}"], "seed must fit"),
+    (["replay", "--trace", "bailian", "--capacity", str(10**400)], "below 2**63, got 1000"),
+    (["replay", "--trace", "bailian", "--capacity", str(2**63)], "below 2**63"),
+    (["replay", "--trace", "bailian", "--json", "/tmp"], "--json /tmp is a folder"),
+    (["characterize", "bailian", "--json", "/tmp"], "--json /tmp is a folder"),
+    # issue 15: silently one block
+    (["replay", "--trace", "bailian", "--capacity", "0.0000001"], "less than one"),
+])
+def test_user_errors_are_one_line_not_a_traceback(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len([x for x in err.splitlines() if x.startswith("error:")]) == 1
+    assert "Traceback" not in err
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
+    """``--plots`` on an existing file; ``--json`` on a folder left a temp file in ``/`` (issue 15)."""
+    existing = tmp_path / "plots.png"
+    existing.write_text("x")
+    assert main(["characterize", "bailian", "--plots", str(existing)]) == 2
+    assert "is a file; give a folder" in capsys.readouterr().err
+    before = {p.name for p in Path("/").iterdir()}
+    assert main(["replay", "--trace", "bailian", "--json", str(tmp_path)]) == 2
+    assert {p.name for p in Path("/").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plots.png"]
+
+
+def test_folders_and_self_including_mixes_as_traces(tmp_path, capsys):
+    for source in ("mooncake", "azure", "conversations", "bailian", "trace"):
+        assert main(["replay", "--trace", str(tmp_path), "--source", source]) == 2
+        assert "is a folder, not a trace file" in capsys.readouterr().err
+    assert main(["replay", "--trace", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    mix = tmp_path / "m.yaml"
+    mix.write_text("components:\n  - {name: me, source: mix, path: m.yaml}\n"
+                   "phases:\n  - {duration: 10, rate: 1, weights: {me: 1}}\n")
+    assert main(["replay", "--trace", str(mix), "--source", "mix"]) == 2
+    assert "cannot include itself" in capsys.readouterr().err
+
+
 def test_malformed_trace_names_file_line_and_field(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'

@@ -245,6 +245,26 @@ def test_load_from_yaml_with_relative_paths(tmp_path):
     assert not other.equals(mixed)
 
 
+def test_a_mix_that_includes_itself_is_refused(tmp_path):
+    """Directly or through another mix: a clear error, not a RecursionError (issue 15)."""
+    phases = "phases:\n  - {duration: 10, rate: 1, weights: {x: 1}}\n"
+    (tmp_path / "self.yaml").write_text("components:\n  - {name: x, source: mix, path: self.yaml}\n" + phases)
+    with pytest.raises(ValueError, match="cannot include itself"):
+        load_source("mix", tmp_path / "self.yaml")
+    (tmp_path / "a.yaml").write_text("components:\n  - {name: x, source: mix, path: b.yaml}\n" + phases)
+    (tmp_path / "b.yaml").write_text("components:\n  - {name: x, source: mix, path: a.yaml}\n" + phases)
+    with pytest.raises(ValueError, match=r"a\.yaml -> .*b\.yaml -> .*a\.yaml"):
+        load_source("mix", tmp_path / "a.yaml")
+    # The same file twice side by side is no cycle.
+    (tmp_path / "leaf.yaml").write_text("components:\n  - {name: x, source: synthetic, options: {preset: tiny}}\n"
+                                        + phases)
+    (tmp_path / "twice.yaml").write_text("components:\n  - {name: x, source: mix, path: leaf.yaml}\n"
+                                         "  - {name: y, source: mix, path: leaf.yaml}\n"
+                                         "phases:\n  - {duration: 10, rate: 1, weights: {x: 1, y: 1}}\n")
+    trace, _ = load_source("mix", tmp_path / "twice.yaml")
+    assert len(trace) > 0
+
+
 def test_config_validation():
     comps = [{"name": "a", "source": "synthetic", "options": {"preset": "tiny"}}]
     ph = [{"duration": 10, "rate": 1, "weights": {"a": 1}}]

@@ -7,7 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sae_env.trace as trace_module
 from sae_env.trace import (
+    MAX_TIME_S,
+    MAX_TOKENS,
+    MAX_TURN,
     AppType,
     TokenType,
     Trace,
@@ -63,6 +67,32 @@ def test_chaining_is_deterministic_and_salted():
     assert chain_keys(np.array([7]), np.array([0, 1]))[0] == chain_keys(np.array([7, 8]), np.array([0, 2]))[0]
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=40), st.integers(0, 2**64 - 1), st.integers(0, 5))
+def test_chain_keys_scalar_tail_equals_the_vectorised_pass(lengths, seed, salt):
+    """Sequences finished one by one (few left alive) chain exactly as the vectorised pass does (issue 15: one long
+    request made the per-position pass cost 63 s)."""
+    rng = np.random.default_rng(seed)
+    content = rng.integers(0, 2**64 - 1, size=sum(lengths), dtype=np.uint64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    fast = chain_keys(content, offsets, salt=salt)
+    old = trace_module._FEW_ALIVE
+    trace_module._FEW_ALIVE = 0  # never leave the vectorised pass
+    try:
+        assert np.array_equal(chain_keys(content, offsets, salt=salt), fast)
+    finally:
+        trace_module._FEW_ALIVE = old
+
+
+def test_chain_one_compiled_equals_python(monkeypatch):
+    pytest.importorskip("numba")
+    content = np.random.default_rng(7).integers(0, 2**64 - 1, size=3000, dtype=np.uint64)
+    python = trace_module._chain_one(12345, content)
+    monkeypatch.setattr(trace_module, "_JIT_MIN", 1)
+    assert trace_module._chain_kernel() is not None
+    assert np.array_equal(trace_module._chain_one(12345, content), python)
+
+
 def test_chain_keys_rejects_bad_offsets():
     with pytest.raises(ValueError, match="offsets"):
         chain_keys(np.array([1, 2, 3]), np.array([0, 2]))
@@ -111,7 +141,7 @@ def traces(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(traces(), st.sampled_from([".npz", ".jsonl"]))
+@given(traces(), st.sampled_from([".npz", ".jsonl", ".jsonl.gz"]))
 def test_save_load_round_trip(tmp_path_factory, trace, suffix):
     path = tmp_path_factory.mktemp("rt") / f"trace{suffix}"
     trace.save(path)
@@ -119,6 +149,112 @@ def test_save_load_round_trip(tmp_path_factory, trace, suffix):
     assert back.equals(trace)
     assert back.meta == trace.meta
     assert not path.with_name(path.name + ".tmp").exists()
+
+
+@st.composite
+def extreme_traces(draw):
+    """Traces whose values sit at the edges of what the native format holds (the bounds of sae_env.trace)."""
+    n = draw(st.integers(1, 6))
+    bs = draw(st.sampled_from([1, 16, MAX_TOKENS]))
+    b = TraceBuilder(block_size=bs, meta={"note": draw(st.text(max_size=5)), "n": draw(st.integers())})
+    for _ in range(n):
+        n_p = draw(st.integers(0, 2)) if bs < MAX_TOKENS else draw(st.integers(0, 1))
+        b.add(t=draw(st.sampled_from([0.0, 5e-324, 1.5, MAX_TIME_S]) | st.floats(0, MAX_TIME_S)),
+              session=draw(st.sampled_from([-(2**63), -1, 0, 2**63 - 1])), turn=draw(st.sampled_from([1, MAX_TURN])),
+              app=draw(st.sampled_from(list(AppType))),
+              prompt_tokens=draw(st.integers(n_p * bs, min(MAX_TOKENS, n_p * bs + bs - 1))),
+              output_tokens=draw(st.sampled_from([0, MAX_TOKENS])),
+              prompt_keys=draw(st.lists(st.sampled_from([-(2**63), 0, 2**63 - 1]), min_size=n_p, max_size=n_p)),
+              prompt_types=draw(st.lists(st.sampled_from(list(TokenType)), min_size=n_p, max_size=n_p)))
+    return b.build()
+
+
+@settings(max_examples=40, deadline=None)
+@given(extreme_traces(), st.sampled_from([".npz", ".jsonl", ".jsonl.gz"]))
+def test_round_trip_at_the_bounds(tmp_path_factory, trace, suffix):
+    path = tmp_path_factory.mktemp("edge") / f"trace{suffix}"
+    trace.save(path)
+    back = Trace.load(path)
+    assert back.equals(trace) and back.meta == trace.meta
+
+
+# A value just past each bound of a native .jsonl row: the loader names the line and the field (issue 15).
+PAST_BOUNDS = [("t", MAX_TIME_S * 1.0001), ("t", 10**400), ("t", -1e-9), ("turn", MAX_TURN + 1), ("turn", 1.5),
+               ("turn", True), ("session", 2**63), ("prompt_tokens", MAX_TOKENS + 1), ("output_tokens", 10**400),
+               ("output_tokens", 2.0), ("app", 7), ("app", "robot"), ("prompt_keys", [2**63]),
+               ("prompt_keys", [True]), ("prompt_keys", [[1]]), ("prompt_types", [7]), ("features", [1e39]),
+               ("features", ["x"])]
+
+
+@settings(max_examples=40, deadline=None)
+@given(extreme_traces(), st.sampled_from(PAST_BOUNDS))
+def test_a_value_past_a_bound_is_named(tmp_path_factory, trace, bad):
+    field, value = bad
+    path = tmp_path_factory.mktemp("bad") / "trace.jsonl"
+    trace.save(path)
+    lines = path.read_text().splitlines()
+    row = json.loads(lines[1])
+    row[field] = value
+    if field in ("prompt_keys", "prompt_types"):
+        row["prompt_keys"], row["prompt_types"] = [0], [0]
+        row["prompt_tokens"] = trace.block_size
+        row[field] = value
+    lines[1] = json.dumps(row)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceFormatError) as exc:
+        Trace.load(path)
+    assert exc.value.line == 2 and exc.value.field == field and str(path) in str(exc.value)
+
+
+def test_native_header_needs_a_block_size(tmp_path):
+    _one().save(tmp_path / "a.jsonl")
+    lines = (tmp_path / "a.jsonl").read_text().splitlines()
+    header = json.loads(lines[0])
+    for bad in (None, 0, 1.5, "16", True):
+        if bad is None:
+            header.pop("block_size")
+        else:
+            header["block_size"] = bad
+        (tmp_path / "b.jsonl").write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+        with pytest.raises(TraceFormatError, match="field 'block_size'"):
+            Trace.load(tmp_path / "b.jsonl")
+    _one().save(tmp_path / "a.npz")
+    arrays = dict(np.load(tmp_path / "a.npz"))
+    header = json.loads(arrays["header"].tobytes())
+    del header["block_size"]
+    arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    np.savez(tmp_path / "b.npz", **arrays)
+    with pytest.raises(TraceFormatError, match=r"b\.npz, field 'block_size': missing"):
+        Trace.load(tmp_path / "b.npz")
+
+
+@pytest.mark.parametrize("column, value, message", [
+    ("turn", lambda a: a.astype(str), "must hold integers, got dtype <U"),
+    ("turn", lambda a: a + 0.5, "must hold integers, got dtype float64"),
+    ("t", lambda a: a.astype(str), "must hold numbers"),
+    ("prompt_keys", lambda a: a.astype(np.float64), "must hold integers"),
+    ("session", lambda a: a.astype(bool), "must hold integers"),
+    ("t", lambda a: a.reshape(-1, 1), "1-dimensional"),
+    ("t", lambda a: a + 2 * MAX_TIME_S, "values must lie in"),
+    ("prompt_tokens", lambda a: a + MAX_TOKENS, "values must lie in"),
+    ("header", lambda a: np.frombuffer(b"\xff", dtype=np.uint8), "not the UTF-8 bytes"),
+])
+def test_npz_columns_are_not_coerced(tmp_path, column, value, message):
+    """String or float columns in a .npz were silently cast to the column's dtype (issue 15)."""
+    _one().save(tmp_path / "a.npz")
+    arrays = dict(np.load(tmp_path / "a.npz"))
+    arrays[column] = value(arrays[column])
+    np.savez(tmp_path / "b.npz", **arrays)
+    with pytest.raises(TraceFormatError, match=message) as exc:
+        Trace.load(tmp_path / "b.npz")
+    assert exc.value.field == column and "b.npz" in str(exc.value)
+
+
+def test_bounds_are_checked_for_traces_built_in_code():
+    with pytest.raises(TraceFormatError, match="'t'"):
+        _one(t=[MAX_TIME_S * 2])
+    with pytest.raises(TraceFormatError, match="'output_tokens'"):
+        _one(output_tokens=[MAX_TOKENS + 1])
 
 
 @settings(max_examples=60, deadline=None)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sae_env.trace import LoadReport, Trace
+from sae_env.trace import LoadReport, Trace, TraceFormatError
 
 SOURCES: dict[str, str] = {
     "mooncake": "sae_env.sources.mooncake",
@@ -61,8 +61,12 @@ def open_trace(trace: str, source: str | None = None, options: Mapping[str, Any]
             options.setdefault("block_size", block_size)
         return load_source(src, path, **options)
 
+    if trace == "-":
+        return _load_stdin(source, load)
     if trace in ("synthetic", "mix") and not Path(trace).exists():
         return load(trace, None)
+    if Path(trace).is_dir():
+        raise TraceFormatError("is a folder, not a trace file", path=trace)
     if trace in data.ALL and not Path(trace).exists():
         path, default_source = data.ALL[trace]
         if trace == "taubench":
@@ -75,7 +79,20 @@ def open_trace(trace: str, source: str | None = None, options: Mapping[str, Any]
         else:
             raise ValueError(f"say which format {trace} is in (source: one of {', '.join(source_names())}); "
                              f"embedded traces: {', '.join(data.ALL)}")
-    return load(source, trace if trace != "-" else None)
+    return load(source, trace)
+
+
+def _load_stdin(source: str | None, load: Any) -> tuple[Trace, LoadReport]:
+    """Standard input, copied to a temporary file that the source reads like any other (not gzipped)."""
+    import sys
+    import tempfile
+
+    if source is None:
+        raise ValueError("reading a trace from standard input ('-') needs its format (source / --source)")
+    with tempfile.TemporaryDirectory(prefix="sae-stdin") as folder:
+        path = Path(folder) / "stdin"
+        path.write_bytes(sys.stdin.buffer.read())
+        return load(source, path)
 
 
 def trace_from_spec(spec: str | Mapping[str, Any], block_size: int | None = None) -> tuple[Trace, LoadReport]:
@@ -102,8 +119,10 @@ def _is_native(path: str) -> bool:
         return True
     if not path.endswith((".jsonl", ".jsonl.gz")):
         return False
+    from sae_env.sources._io import open_text
+
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_text(path) as f:
             return '"format": "sae-trace"' in f.readline()
-    except (OSError, UnicodeDecodeError):
+    except (OSError, ValueError):  # missing, a folder, not UTF-8, broken gzip: the loader will say so
         return False

@@ -1,4 +1,11 @@
-"""Small I/O helpers shared by the sources: transparent gzip, JSON lines with line numbers, option checks."""
+"""Small I/O helpers shared by the sources: transparent gzip, JSON lines with line numbers, option checks.
+
+Every source opens its input through :func:`open_text` or :func:`open_binary`, so all of them agree on what a file
+may look like: a name ending in ``.gz`` is gunzipped (``.jsonl.gz``, ``.csv.gz``, ``.json.gz``), a UTF-8 byte-order
+mark at the start is skipped, and a folder, a missing file, text that is not UTF-8 or a corrupt or truncated gzip
+stream is a :class:`~sae_env.trace.TraceFormatError` (or FileNotFoundError) that names the file, never a bare
+``UnicodeDecodeError`` or ``EOFError`` from deep inside a reader.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +13,101 @@ import gzip
 import io
 import json
 import os
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
 from sae_env.trace import TraceFormatError
 
+__all__ = ["check_input_file", "check_options", "iter_json_lines", "open_binary", "open_text", "unreadable"]
 
-def open_text(path: str | os.PathLike) -> IO[str]:
-    """Open a text file, gunzipping it when its name ends with ``.gz``; a clear error when it is missing."""
+BOM = "\ufeff"
+_DECODE_ERRORS = (UnicodeDecodeError, gzip.BadGzipFile, EOFError, zlib.error)
+
+
+def check_input_file(path: str | os.PathLike) -> Path:
+    """``path`` as an existing regular file: FileNotFoundError when missing, TraceFormatError for a folder."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file")
-    if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
+    if path.is_dir():
+        raise TraceFormatError("is a folder, not a trace file", path=path)
+    return path
+
+
+def _is_gzip(path: Path) -> bool:
+    return path.suffix.lower() == ".gz"
+
+
+@contextmanager
+def unreadable(path: str | os.PathLike, last_line: Callable[[], int | None]) -> Iterator[None]:
+    """Turn a failure to decode the file as a whole (text that is not UTF-8, a corrupt or truncated gzip stream)
+    into a TraceFormatError. Decoding runs ahead in chunks, so the place is given as "after" the last line read."""
+    try:
+        yield
+    except _DECODE_ERRORS as e:
+        raise _decode_error(path, e, last_line()) from e
+
+
+def _decode_error(path: str | os.PathLike, e: BaseException, last: int | None) -> TraceFormatError:
+    what = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "unreadable gzip stream"
+    where = f" after line {last}" if last else ""
+    return TraceFormatError(f"{what}{where} ({e})", path=path)
+
+
+class _Text:
+    """A text file whose decoding errors name the file (see the module docstring); counts the lines read."""
+
+    def __init__(self, raw: IO[str], path: Path):
+        self._f, self.path, self.lines = raw, path, 0
+
+    def __enter__(self) -> _Text:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._f.close()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def read(self, size: int = -1) -> str:
+        try:
+            return self._f.read(size)
+        except _DECODE_ERRORS as e:
+            raise _decode_error(self.path, e, self.lines) from e
+
+    def readline(self) -> str:
+        try:
+            line = self._f.readline()
+        except _DECODE_ERRORS as e:
+            raise _decode_error(self.path, e, self.lines) from e
+        self.lines += bool(line)
+        return line
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        line = self.readline()
+        if not line:
+            raise StopIteration
+        return line
+
+
+def open_text(path: str | os.PathLike) -> _Text:
+    """Open a text file for reading (module docstring: gzip by name, BOM skipped, errors that name the file)."""
+    path = check_input_file(path)
+    raw = gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")
+    return _Text(io.TextIOWrapper(raw, encoding="utf-8-sig"), path)
+
+
+def open_binary(path: str | os.PathLike) -> IO[bytes]:
+    """Open a file for reading bytes, gunzipping it when its name ends with ``.gz``; a clear error when missing or a
+    folder. (``json.loads`` of bytes skips a leading byte-order mark itself.)"""
+    path = check_input_file(path)
+    return gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")
 
 
 def iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:

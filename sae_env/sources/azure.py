@@ -35,14 +35,29 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sae_env.sources._io import check_options, open_text
-from sae_env.sources.hashonly import check_on_error, int_option, unreadable
-from sae_env.trace import AppType, LoadReport, TokenType, Trace, TraceFormatError, chain_keys, csr_offsets
+from sae_env.sources.hashonly import check_on_error, int_option
+from sae_env.trace import (
+    MAX_TOKENS,
+    AppType,
+    LoadReport,
+    TokenType,
+    Trace,
+    TraceFormatError,
+    chain_keys,
+    csr_offsets,
+)
 
 __all__ = ["COLUMNS", "DEFAULTS", "AzureProcess", "load", "load_process"]
 
 SOURCE = "azure"
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 DEFAULTS = {"block_size": 16, "salt": 0, "on_error": "raise"}
+# The window a TIMESTAMP must lie in: from the Unix epoch to the last instant a nanosecond clock (datetime64[ns])
+# holds. Outside it numpy's nanosecond datetimes wrap silently (year 9999 reads as 1816), so the bound is checked on
+# a microsecond parse, which holds any year.
+EARLIEST = np.datetime64("1970-01-01T00:00:00", "us")
+LATEST = np.datetime64("2262-04-11T00:00:00", "us")
+_WINDOW = "1970-01-01 and 2262-04-11"
 # Offset of this source's content ids: keeps its (unique) keys apart from small-integer ids of other sources.
 _CONTENT_TAG = np.uint64(0xA2_0E_C5_17_D3_4B_96_F1)
 
@@ -151,6 +166,10 @@ class AzureProcess:
         return self.context_tokens[idx], self.generated_tokens[idx]
 
 
+def _short(v: str) -> str:
+    return repr(v) if len(v) <= 40 else f"{v[:20]!r}...({len(v)} characters)"
+
+
 def _bad_rows_int(values: list[str]) -> dict[int, str]:
     """Slow path: row index -> why the token count is invalid."""
     bad = {}
@@ -158,10 +177,12 @@ def _bad_rows_int(values: list[str]) -> dict[int, str]:
         try:
             x = int(v)
         except ValueError:
-            bad[i] = f"must be an integer, got {v!r}"
+            bad[i] = f"must be an integer, got {_short(v)}"
             continue
         if x < 0:
             bad[i] = f"must be >= 0, got {x}"
+        elif x > MAX_TOKENS:
+            bad[i] = f"must be at most {MAX_TOKENS:,} tokens, got {_short(v)}"
     return bad
 
 
@@ -169,20 +190,30 @@ def _bad_rows_time(values: list[str]) -> dict[int, str]:
     bad = {}
     for i, v in enumerate(values):
         try:
-            x = np.datetime64(v, "ns")
+            x = np.datetime64(v, "us")
         except ValueError:
-            bad[i] = f"not a timestamp like '2023-11-16 18:17:03.9799600': {v!r}"
+            bad[i] = f"not a timestamp like '2023-11-16 18:17:03.9799600': {_short(v)}"
             continue
         if np.isnat(x):
-            bad[i] = f"not a timestamp: {v!r}"
+            bad[i] = f"not a timestamp: {_short(v)}"
+        elif not EARLIEST <= x <= LATEST:
+            bad[i] = f"must lie between {_WINDOW}, got {_short(v)}"
     return bad
+
+
+def _parse_times(values: list[str]) -> np.ndarray:
+    """datetime64[ns] of the strings; ValueError when one does not parse or lies outside [EARLIEST, LATEST]."""
+    us = np.array(values, dtype="datetime64[us]")
+    if np.isnat(us).any() or (us < EARLIEST).any() or (us > LATEST).any():
+        raise ValueError("NaT or out of range")
+    return np.array(values, dtype="datetime64[ns]")  # parsed again: ns keeps the file's 100 ns digits exactly
 
 
 def load_process(path: str | os.PathLike, *, on_error: str = "raise") -> AzureProcess:
     """Read an Azure CSV into an :class:`AzureProcess` (``.gz`` transparently); see the module docstring."""
     check_on_error(on_error)
     report = LoadReport(source=SOURCE, path=str(path))
-    with open_text(path) as f, unreadable(path, lambda: None):
+    with open_text(path) as f:
         lines = f.read().splitlines()
     numbered = [(i, s) for i, s in enumerate(lines, start=1) if s.strip()]
     if not numbered:
@@ -209,9 +240,7 @@ def load_process(path: str | os.PathLike, *, on_error: str = "raise") -> AzurePr
     columns = {name: [parts[i][c].strip() for i in ok_rows] for name, c in zip(COLUMNS, col, strict=True)}
 
     try:
-        ts = np.array(columns["TIMESTAMP"], dtype="datetime64[ns]")
-        if np.isnat(ts).any():
-            raise ValueError("NaT")
+        ts = _parse_times(columns["TIMESTAMP"])
     except ValueError:
         ts = None
         for k, why in _bad_rows_time(columns["TIMESTAMP"]).items():
@@ -220,8 +249,8 @@ def load_process(path: str | os.PathLike, *, on_error: str = "raise") -> AzurePr
     for name in COLUMNS[1:]:
         try:
             v = np.array(columns[name]).astype(np.int64) if columns[name] else np.zeros(0, dtype=np.int64)
-            if (v < 0).any():
-                raise ValueError("negative")
+            if (v < 0).any() or (v > MAX_TOKENS).any():
+                raise ValueError("out of range")
             counts[name] = v
         except (ValueError, OverflowError):
             counts[name] = None
@@ -240,7 +269,7 @@ def load_process(path: str | os.PathLike, *, on_error: str = "raise") -> AzurePr
             raise TraceFormatError(f"no valid rows ({report.rows_rejected} rejected: {dict(report.rejected)})",
                                    path=path)
         # Re-convert the surviving rows (they all parse now).
-        ts = np.array([parts[i][col[0]].strip() for i in ok_rows], dtype="datetime64[ns]")
+        ts = _parse_times([parts[i][col[0]].strip() for i in ok_rows])
         counts = {name: np.array([parts[i][c].strip() for i in ok_rows]).astype(np.int64)
                   for name, c in zip(COLUMNS[1:], col[1:], strict=True)}
 

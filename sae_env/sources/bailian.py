@@ -49,6 +49,8 @@ from sae_env.sources.hashonly import (
     INT,
     STR,
     TIME,
+    TOKENS,
+    TURN,
     HashRows,
     chain_blocks,
     compact,
@@ -65,8 +67,8 @@ __all__ = ["DEFAULTS", "REQUEST_TYPES", "load"]
 
 SOURCE = "bailian"
 DEFAULTS = {"block_size": 16, "shared_min_sessions": 3, "salt": 0, "on_error": "raise"}
-FIELDS = {"chat_id": COUNT, "parent_chat_id": INT, "timestamp": TIME, "input_length": COUNT,
-          "output_length": COUNT, "type": STR, "turn": INT}
+FIELDS = {"chat_id": COUNT, "parent_chat_id": INT, "timestamp": TIME, "input_length": TOKENS,
+          "output_length": TOKENS, "type": STR, "turn": TURN}
 REQUEST_TYPES = ("text", "search", "image", "file")  # the values documented for trace A
 
 
@@ -96,9 +98,6 @@ def load(path: str | os.PathLike, **options) -> tuple[Trace, LoadReport]:
     def check(rows: HashRows, bad: np.ndarray, field: str, why, reason: str) -> HashRows:
         return reject_rows(rows, bad, field, why, reason, on_error, report)
 
-    turn = rows.column("turn")
-    rows = check(rows, turn < 1, "turn", lambda i: f"must be >= 1, got {rows.columns['turn'][i]}",
-                 "turn: wrong type or value")
     par = rows.column("parent_chat_id")
     rows = check(rows, par < -1, "parent_chat_id",
                  lambda i: f"must be -1 (first turn) or a chat_id, got {rows.columns['parent_chat_id'][i]}",

@@ -34,20 +34,25 @@ Types (:func:`infer_block_types`), inferred from structure, not observed:
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import os
-import zlib
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO
 
 import numpy as np
 
-from sae_env.trace import LoadReport, TokenType, TraceFormatError, chain_keys, csr_offsets
+from sae_env.sources._io import open_binary, unreadable
+from sae_env.trace import (
+    MAX_TIME_S,
+    MAX_TOKENS,
+    MAX_TURN,
+    LoadReport,
+    TokenType,
+    TraceFormatError,
+    chain_keys,
+    csr_offsets,
+)
 
 __all__ = [
     "HashRows",
@@ -71,10 +76,13 @@ __all__ = [
 
 ON_ERROR = ("raise", "skip")
 
-# Field kinds understood by read_rows.
-TIME = "time"  # finite number >= 0
-COUNT = "count"  # integer >= 0
-INT = "int"  # any integer
+# Field kinds understood by read_rows (the bounds are the data model's, see sae_env.trace).
+TIME = "time"  # finite number of seconds in [0, MAX_TIME_S]
+TIME_MS = "time_ms"  # finite number of milliseconds in [0, 1000 * MAX_TIME_S]
+TOKENS = "tokens"  # integer in [0, MAX_TOKENS]
+TURN = "turn"  # integer in [1, MAX_TURN]
+COUNT = "count"  # integer in [0, 2**63)
+INT = "int"  # integer in [-2**63, 2**63)
 STR = "str"
 _MISSING = object()
 _U64_END = 1 << 64
@@ -146,58 +154,63 @@ class HashRows:
         return HashRows(self.path, self.line[idx], cols, ids, off)
 
 
+_TIME_END = {TIME: MAX_TIME_S, TIME_MS: 1000.0 * MAX_TIME_S}
+
+
+def _short(v) -> str:
+    """``repr`` of a value, cut short: a 400-digit number must not fill the error line."""
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
 def _check_value(v, kind: str) -> str | None:
     """Why ``v`` is not a valid value of ``kind`` (None when valid). Exact type tests: bool is not an integer."""
     t = type(v)
     if kind == COUNT:
         if t is not int:
-            return f"must be an integer, got {v!r}"
+            return f"must be an integer, got {_short(v)}"
         if v >= _I64_END:
-            return f"must be < 2**63, got {v}"
+            return f"must be < 2**63, got {_short(v)}"
         return None if v >= 0 else f"must be >= 0, got {v}"
-    if kind == TIME:
+    if kind == TOKENS:
+        if t is not int:
+            return f"must be an integer number of tokens, got {_short(v)}"
+        if v > MAX_TOKENS:
+            return f"must be at most {MAX_TOKENS:,} tokens, got {_short(v)}"
+        return None if v >= 0 else f"must be >= 0, got {v}"
+    if kind == TURN:
+        if t is not int:
+            return f"must be an integer, got {_short(v)}"
+        if v > MAX_TURN:
+            return f"must be at most {MAX_TURN}, got {_short(v)}"
+        return None if v >= 1 else f"must be >= 1, got {v}"
+    if kind in _TIME_END:
         if t is not int and t is not float:
-            return f"must be a number, got {v!r}"
-        if not math.isfinite(v):
+            return f"must be a number, got {_short(v)}"
+        # Compare before any float conversion: a 400-digit integer has none.
+        if t is float and not math.isfinite(v):
             return f"must be finite, got {v!r}"
-        return None if v >= 0 else f"must be >= 0, got {v}"
+        if v < 0:
+            return f"must be >= 0, got {_short(v)}"
+        end = _TIME_END[kind]
+        unit = "s" if kind == TIME else "ms"
+        return None if v <= end else f"must be at most {end:.0e} {unit} (the trace clock's range), got {_short(v)}"
     if kind == INT:
         if t is not int:
-            return f"must be an integer, got {v!r}"
-        return None if -_I64_END <= v < _I64_END else f"must fit in 64 bits, got {v}"
+            return f"must be an integer, got {_short(v)}"
+        return None if -_I64_END <= v < _I64_END else f"must fit in 64 bits, got {_short(v)}"
     if kind == STR:
-        return None if t is str else f"must be a string, got {v!r}"
+        return None if t is str else f"must be a string, got {_short(v)}"
     raise RuntimeError(f"unknown field kind {kind!r}")
-
-
-def open_binary(path: str | os.PathLike) -> IO[bytes]:
-    """Open a file for reading bytes, gunzipping it when its name ends with ``.gz``; a clear error when missing."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file")
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
-
-
-@contextmanager
-def unreadable(path: str | os.PathLike, last_line: Callable[[], int | None]) -> Iterator[None]:
-    """Turn a failure to decode the file as a whole (text that is not UTF-8, a corrupt or truncated gzip stream)
-    into a TraceFormatError. Decoding runs ahead in chunks, so the place is given as "after" the last line read."""
-    try:
-        yield
-    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError, zlib.error) as e:
-        what = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "unreadable gzip stream"
-        last = last_line()
-        where = f" after line {last}" if last else ""
-        raise TraceFormatError(f"{what}{where} ({e})", path=path) from e
 
 
 def _bad_id_list(ids) -> str | None:
     """Slow-path check of one id list: why it is invalid, or None."""
     for k, x in enumerate(ids):
         if type(x) is not int:
-            return f"element {k} must be an integer, got {x!r}"
+            return f"element {k} must be an integer, got {_short(x)}"
         if not 0 <= x < _U64_END:
-            return f"element {k} must lie in [0, 2**64), got {x}"
+            return f"element {k} must lie in [0, 2**64), got {_short(x)}"
     return None
 
 
@@ -216,6 +229,7 @@ def read_rows(path: str | os.PathLike, fields: Mapping[str, str], *, block_size:
     cols: dict[str, list] = {name: [] for name in fields}
     id_lists: list[list] = []
     lines: list[int] = []
+    maybe_bool: list[int] = []  # indices into id_lists of rows whose text holds a JSON true / false
     skip = on_error == "skip"
     loads = json.loads
 
@@ -224,8 +238,14 @@ def read_rows(path: str | os.PathLike, fields: Mapping[str, str], *, block_size:
         flat: list = []
         for h in id_lists:
             flat.extend(h)
-        arr = np.array(flat) if flat else np.zeros(0, dtype=np.int64)
-        if arr.dtype.kind == "i" and (arr.size == 0 or arr.min() >= 0):
+        try:
+            arr = np.array(flat) if flat else np.zeros(0, dtype=np.int64)
+        except ValueError:  # a list nested in an id list: ragged
+            arr = None
+        # numpy reads a JSON true among integers as 1: rows whose text holds a literal true / false are checked
+        # one id at a time (rare, so the fast path stays one np.array over all ids).
+        if (arr is not None and arr.dtype.kind == "i" and (arr.size == 0 or arr.min() >= 0)
+                and not any(_bad_id_list(id_lists[i]) for i in maybe_bool)):
             return arr.view(np.uint64), []
         # Slow path: something is not a non-negative int64 (floats, strings, bools, or ids >= 2**63).
         bad = [i for i, h in enumerate(id_lists) if _bad_id_list(h) is not None]
@@ -247,14 +267,16 @@ def read_rows(path: str | os.PathLike, fields: Mapping[str, str], *, block_size:
 
     rows_read = 0
     lineno = 0
-    # Bytes, decoded line by line by json.loads: a line that is not UTF-8 is then one bad row with its own number.
+    # Bytes, decoded line by line: a line that is not UTF-8 is then one bad row with its own number.
     with open_binary(path) as f, unreadable(path, lambda: lineno):
         for lineno, text in enumerate(f, start=1):
             if not text or text.isspace():
                 continue
             rows_read += 1
             try:
-                row = loads(text)
+                # Decoded here, not by json.loads: bytes it would guess to be UTF-16 (a line starting with ff fe)
+                # must read as what they are, text that is not UTF-8. A BOM opens only the first line.
+                row = loads(text.decode("utf-8-sig" if lineno == 1 else "utf-8"))
             except UnicodeDecodeError as e:
                 fail(lineno, None, f"not UTF-8 text ({e.reason} at byte {e.start})", "not UTF-8 text")
                 continue
@@ -295,6 +317,8 @@ def read_rows(path: str | os.PathLike, fields: Mapping[str, str], *, block_size:
                 continue
             for (name, _), v in zip(specs, values, strict=True):
                 cols[name].append(v)
+            if b"true" in text or b"false" in text:
+                maybe_bool.append(len(id_lists))
             id_lists.append(h)
             lines.append(lineno)
     report.rows_read += rows_read

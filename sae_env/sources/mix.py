@@ -43,7 +43,7 @@ Algorithm:
 
 from __future__ import annotations
 
-import math
+import contextvars
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -54,7 +54,7 @@ import numpy as np
 
 from sae_env.sources._io import check_options
 from sae_env.sources.azure import AzureProcess, load_process
-from sae_env.sources.synthetic import phase_of, poisson_arrivals, read_config_file
+from sae_env.sources.synthetic import _integer, _number, phase_of, poisson_arrivals, read_config_file
 from sae_env.trace import LoadReport, Trace, csr_offsets, mix64
 
 __all__ = ["ARRIVAL_PROCESSES", "Component", "MixArrivals", "MixConfig", "MixPhase", "ON_EXHAUSTED",
@@ -63,14 +63,6 @@ __all__ = ["ARRIVAL_PROCESSES", "Component", "MixArrivals", "MixConfig", "MixPha
 ON_EXHAUSTED = ("cycle", "repeat", "stop")
 ARRIVAL_PROCESSES = ("poisson", "azure")
 _MAX_EXPECTED_SESSIONS = 5_000_000
-
-
-def _number(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(float(value)):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -188,17 +180,17 @@ class MixConfig:
             unknown = sorted(set(p.weights) - set(names))
             if unknown:
                 raise ValueError(f"phases[{i}].weights: unknown component(s) {unknown}; components: {names}")
-        seed = _number(self.seed, "seed")
-        if seed != int(seed) or seed < 0:
+        seed = _integer(self.seed, "seed")
+        if seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
-        object.__setattr__(self, "seed", int(seed))
+        object.__setattr__(self, "seed", seed)
         if self.on_exhausted not in ON_EXHAUSTED:
             raise ValueError(f"on_exhausted must be one of {list(ON_EXHAUSTED)}, got {self.on_exhausted!r}")
         if self.block_size is not None:
-            bs = _number(self.block_size, "block_size")
-            if bs != int(bs) or bs < 1:
+            bs = _integer(self.block_size, "block_size")
+            if bs < 1:
                 raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
-            object.__setattr__(self, "block_size", int(bs))
+            object.__setattr__(self, "block_size", bs)
         expected = sum(p.rate * p.duration for p in self.phases)
         if expected > _MAX_EXPECTED_SESSIONS:
             raise ValueError(f"phases expect {expected:.3g} sessions, more than the limit {_MAX_EXPECTED_SESSIONS}")
@@ -453,6 +445,9 @@ def component_of(trace: Trace) -> np.ndarray:
 # Source entry point
 
 _OPTIONS = {"components", "phases", "seed", "on_exhausted", "block_size", "on_error"}
+# The mix config files being loaded, outermost first: a component that is a mix may not include one of them again.
+_LOADING: contextvars.ContextVar[tuple[Path, ...]] = contextvars.ContextVar("mix_loading", default=())
+_MAX_DEPTH = 8  # mixes of mixes: deeper nesting is a mistake, not a workload
 
 
 def load(path: str | os.PathLike | None = None, **options: Any) -> tuple[Trace, LoadReport]:
@@ -475,17 +470,30 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> tuple[Trace, 
     data.update(options)
     config = MixConfig.from_dict(data, where=where)
 
-    traces, reports = [], []
-    for comp in config.components:
-        cpath = comp.path
-        if cpath is not None and base is not None and not Path(cpath).is_absolute():
-            cpath = str(base / cpath)
-        copts = dict(comp.options)
-        if on_error is not None and comp.source != "trace":
-            copts.setdefault("on_error", on_error)
-        tr, rep = load_source(comp.source, cpath, **copts)
-        traces.append(tr)
-        reports.append(rep)
+    outer = _LOADING.get()
+    if path is not None:
+        me = Path(path).resolve()
+        if me in outer:
+            chain = " -> ".join(str(p) for p in (*outer, me))
+            raise ValueError(f"{path}: a mix config cannot include itself ({chain})")
+        outer = (*outer, me)
+    if len(outer) > _MAX_DEPTH:
+        raise ValueError(f"{where}: mix configs nested more than {_MAX_DEPTH} deep")
+    token = _LOADING.set(outer)
+    try:
+        traces, reports = [], []
+        for comp in config.components:
+            cpath = comp.path
+            if cpath is not None and base is not None and not Path(cpath).is_absolute():
+                cpath = str(base / cpath)
+            copts = dict(comp.options)
+            if on_error is not None and comp.source != "trace":
+                copts.setdefault("on_error", on_error)
+            tr, rep = load_source(comp.source, cpath, **copts)
+            traces.append(tr)
+            reports.append(rep)
+    finally:
+        _LOADING.reset(token)
     arrivals_file = config.arrivals.file(base)
     process = None if arrivals_file is None else load_process(arrivals_file, on_error=on_error or "raise")
     trace, stats = interleave(traces, config, process)

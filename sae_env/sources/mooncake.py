@@ -57,8 +57,8 @@ import numpy as np
 
 from sae_env.sources._io import check_options
 from sae_env.sources.hashonly import (
-    COUNT,
-    TIME,
+    TIME_MS,
+    TOKENS,
     chain_blocks,
     compact,
     infer_block_types,
@@ -82,7 +82,7 @@ DEFAULTS = {
     "salt": 0,
     "on_error": "raise",
 }
-FIELDS = {"timestamp": TIME, "input_length": COUNT, "output_length": COUNT}
+FIELDS = {"timestamp": TIME_MS, "input_length": TOKENS, "output_length": TOKENS}
 
 
 def load(path: str | os.PathLike, **options) -> tuple[Trace, LoadReport]:

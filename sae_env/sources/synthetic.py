@@ -107,16 +107,25 @@ _MAX_EXPECTED_SESSIONS = 5_000_000  # guard against a schedule that would exhaus
 def _number(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(float(value)):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
+    try:
+        x = float(value)
+    except OverflowError:  # an integer past float range (1e308)
+        x = math.inf
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {str(value)[:40]}")
+    return x
 
 
 def _integer(value: Any, name: str) -> int:
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        v = int(value)  # exact: a float would round integers past 2**53
+        if not -(2**63) <= v < 2**63:
+            raise ValueError(f"{name} must fit in 64 bits, got {str(value)[:40]}")
+        return v
     v = _number(value, name)
     if v != int(v):
         raise ValueError(f"{name} must be an integer, got {value!r}")
-    return int(v)
+    return _integer(int(v), name)
 
 
 def _require(cond: bool, message: str) -> None:
