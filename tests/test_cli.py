@@ -88,14 +88,16 @@ def test_user_errors_are_one_line_not_a_traceback(argv, message, capsys):
 
 def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
     """``--plots`` on an existing file; ``--json`` on a folder left a temp file in ``/`` (issue 15)."""
-    existing = tmp_path / "plots.png"
+    out = tmp_path / "out"
+    out.mkdir()
+    existing = out / "plots.png"
     existing.write_text("x")
     assert main(["characterize", "bailian", "--plots", str(existing)]) == 2
     assert "is a file; give a folder" in capsys.readouterr().err
     before = {p.name for p in Path("/").iterdir()}
-    assert main(["replay", "--trace", "bailian", "--json", str(tmp_path)]) == 2
+    assert main(["replay", "--trace", "bailian", "--json", str(out)]) == 2
     assert {p.name for p in Path("/").iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["plots.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["plots.png"]
 
 
 def test_folders_and_self_including_mixes_as_traces(tmp_path, capsys):
