@@ -16,6 +16,7 @@ A config names workloads, cache capacities, serving loads, agents and seeds; eve
     window: 100                      # requests per window (or '30s'): metric granularity and learning period
     seeds: [0]
     reward: hit_rate                 # the env's reward (hit_rate, hit_tokens, neg_ttft)
+    reference: saecache              # the report pairs this agent with each other one per seed (default: saecache)
     ray: {address: null, num_cpus: null, retries: 1}
     wandb: {mode: offline, project: saecache-gym, entity: null, group: null, dir: null}  # unset: WANDB_* variables
     output: runs
@@ -287,7 +288,7 @@ class WandbConfig:
 
 
 _TOP_KEYS = ("name", "description", "workloads", "capacities", "agents", "serving", "window", "seeds", "reward",
-             "ray", "wandb", "output")
+             "ray", "wandb", "output", "reference")
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,7 @@ class ExperimentConfig:
     wandb: WandbConfig = WandbConfig()
     output: str = "runs"
     description: str = ""
+    reference: str | None = None  # the report's paired comparisons are against it (None: saecache if present)
 
     @classmethod
     def from_dict(cls, data: Any, runner: CellRunner | None = None, where: str = "config") -> ExperimentConfig:
@@ -344,10 +346,14 @@ class ExperimentConfig:
         output = d.get("output", "runs")
         if not isinstance(output, str) or not output:
             raise ConfigError(f"output: expected a folder, got {output!r}")
+        reference = d.get("reference")
+        if reference is not None and reference not in [a.name for a in agents]:
+            raise ConfigError(f"reference: {reference!r} is not one of the agents "
+                              f"({', '.join(a.name for a in agents)})")
         return cls(name=_name(d["name"], "name"), workloads=workloads, capacities=capacities, agents=agents,
                    serving=serving, window=window, seeds=seeds, reward=reward,
                    ray=RayConfig.from_config(d.get("ray")), wandb=WandbConfig.from_config(d.get("wandb")),
-                   output=output, description=str(description or ""))
+                   output=output, description=str(description or ""), reference=reference)
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(asdict(self)))
@@ -355,7 +361,7 @@ class ExperimentConfig:
     def results_key(self) -> str:
         """A short hash of everything that decides the cells' results (not where or how they run)."""
         d = self.to_dict()
-        for k in ("ray", "wandb", "output", "description"):
+        for k in ("ray", "wandb", "output", "description", "reference"):
             d.pop(k)
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 

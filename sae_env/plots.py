@@ -18,8 +18,10 @@ results; where one cell per workload stands for the rest it is the middle capaci
 seed of the config (``_representative``):
 
 - ``hit_rate_vs_capacity.png``: token hit rate against cache size (blocks), one line per agent, a panel per workload
-  (means over seeds and loads);
-- ``ttft_vs_load.png``: TTFT mean and p99 against load, one line per agent (only with several loads);
+  (means over seeds and loads; with several seeds a band for the 95 % confidence interval over seeds, cells of
+  different loads at one size averaged per seed first);
+- ``ttft_vs_load.png``: TTFT mean and p99 against load, one line per agent (only with several loads), with the 95 %
+  confidence bands over seeds;
 - ``ttft_cdf.png``: the CDF of every request's TTFT, one curve per agent, a panel per workload (timed serving);
 - ``hit_rate_over_time.png``: windowed token hit rate over simulated time, one line per agent, phases shaded;
 - ``params_<workload>_<agent>.png``: an adaptive agent's parameters over time (alpha per queue, type weights,
@@ -39,6 +41,7 @@ from matplotlib.figure import Figure
 from scipy import stats
 
 from sae_env.files import atomic_path
+from sae_env.intervals import mean_interval
 
 __all__ = ["plot_gap_histograms", "plot_hit_by_offset", "plot_hit_rate_over_time", "plot_hit_rate_vs_capacity",
            "plot_param_trajectories", "plot_reuse_by_app", "plot_reuse_by_token_type", "plot_ttft_cdf",
@@ -161,19 +164,37 @@ def _panels(n: int, width: float = 5.2, height: float = 3.6) -> tuple[Figure, li
     return fig, list(fig.subplots(1, n, squeeze=False)[0])
 
 
+def _line_with_band(ax: Any, xs: list[float], per_x: list[list[float]], style: str, color: str, label: str,
+                    scale: float = 1.0) -> None:
+    """The mean of each x's values as a line, and their 95 % confidence interval over seeds as a band."""
+    ivs = [mean_interval(v) for v in per_x]
+    ax.plot(xs, [np.nan if iv.mean is None else scale * iv.mean for iv in ivs], style, color=color, label=label)
+    if any(iv.half is not None for iv in ivs):
+        low = [np.nan if iv.low is None else scale * iv.low for iv in ivs]
+        high = [np.nan if iv.high is None else scale * iv.high for iv in ivs]
+        ax.fill_between(xs, low, high, color=color, alpha=0.18, lw=0)
+
+
 def plot_hit_rate_vs_capacity(rows: list[Mapping[str, Any]], path: str | Path) -> Path | None:
-    """Token hit rate against capacity (blocks), one line per agent, a panel per workload."""
+    """Token hit rate against capacity (blocks), one line per agent with its 95 % band, a panel per workload."""
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     fig, axes = _panels(len(workloads))
     for ax, w in zip(axes, workloads, strict=True):
-        for agent in dict.fromkeys(r["agent"] for r in rows if r["workload"] == w):
-            points: dict[int, list[float]] = {}
+        for i, agent in enumerate(dict.fromkeys(r["agent"] for r in rows if r["workload"] == w)):
+            # Per configured capacity: seed -> rates (one per load), and its size in blocks (a fraction of the
+            # distinct blocks is a different size for each seed of a generated trace: x is their mean).
+            points: dict[str, dict[int, list[float]]] = {}
+            blocks: dict[str, list[int]] = {}
             for r in rows:
                 if r["workload"] == w and r["agent"] == agent:
-                    points.setdefault(int(r["capacity_blocks"]), []).append(float(r["token_hit_rate"]))
-            xs = sorted(points)
-            ax.plot(xs, [100 * np.mean(points[x]) for x in xs], "o-", label=agent)
-        ax.set_xlabel("cache capacity (blocks)")
+                    key = str(r["capacity"])
+                    points.setdefault(key, {}).setdefault(r["seed"], []).append(float(r["token_hit_rate"]))
+                    blocks.setdefault(key, []).append(int(r["capacity_blocks"]))
+            keys = sorted(points, key=lambda k: np.mean(blocks[k]))
+            _line_with_band(ax, [float(np.mean(blocks[k])) for k in keys],
+                            [[float(np.mean(v)) for v in points[k].values()] for k in keys], "o-", f"C{i % 10}",
+                            agent, 100.0)
+        ax.set_xlabel("cache capacity (blocks; mean over seeds)")
         ax.set_ylabel("token hit rate (%)")
         ax.set_title(w)
         ax.grid(alpha=0.3)
@@ -192,9 +213,10 @@ def plot_ttft_vs_load(rows: list[Mapping[str, Any]], path: str | Path) -> Path |
         for i, agent in enumerate(dict.fromkeys(r["agent"] for r in rows if r["workload"] == w)):
             color = f"C{i % 10}"
             for key, style in (("ttft_mean_ms", "o-"), ("ttft_p99_ms", "s--")):
-                ys = [np.mean([r[key] for r in rows if r["workload"] == w and r["agent"] == agent
-                               and r["load"] == u and r[key] is not None] or [np.nan]) for u in loads]
-                ax.plot(loads, ys, style, color=color, label=f"{agent} {'mean' if key == 'ttft_mean_ms' else 'p99'}")
+                per_load = [[r[key] for r in rows if r["workload"] == w and r["agent"] == agent and r["load"] == u
+                             and r[key] is not None] for u in loads]
+                _line_with_band(ax, loads, per_load, style, color,
+                                f"{agent} {'mean' if key == 'ttft_mean_ms' else 'p99'}")
         ax.set_yscale("log")
         ax.set_xlabel("load (target prefill utilisation)")
         ax.set_ylabel("TTFT (ms)")

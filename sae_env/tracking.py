@@ -5,9 +5,12 @@ with, per window, metrics stepped on **simulated time** (``define_metric("window
 ``window/token_hit_rate``, ``window/block_hit_rate``, ``window/ttft_mean_ms``, ``window/ttft_p99_ms``,
 ``window/evictions``, ``window/occupancy``, ``window/reward``, ``window/hit_rate/<TokenType>``; the agent's
 parameters in effect (``params/<name>``: alpha per queue, type weights, mu / sigma, gamma for SAECache) and the
-workload ``phase`` (index into the trace's phase schedule; -1 none). The run's summary holds the cell's totals
-(``final/token_hit_rate``, ``final/ttft_p99_ms``, ...). A last run (job type ``summary``) holds a ``wandb.Table``
-of every cell and the report's plots as images.
+workload ``phase`` (index into the trace's phase schedule; -1 none). The run's config holds the cell (workload,
+capacity, load, **seed**, agent spec) and ``phases`` (the schedule's phase names), so that dashboards group and
+filter by them; its summary holds the cell's totals (``final/token_hit_rate``, ``final/ttft_p99_ms``, ...) and each
+phase's (``final/phase/<name>/token_hit_rate``, ``.../ttft_mean_ms``, ``.../requests``). A last run (job type
+``summary``) holds a ``wandb.Table`` of every cell (``cells``), one of every (cell, phase) (``phases``: workload,
+capacity, load, agent, seed, phase, token hit rate, TTFT mean) and the report's plots as images.
 
 Modes: ``offline`` (default: no network, not even a DNS lookup; ``wandb sync <run-dir>/wandb/offline-run-*``
 uploads later), ``online`` (the user's account), ``disabled`` (no run is written). Runs go under
@@ -151,7 +154,11 @@ class Tracker:
         self._guard("logging", lambda: self._log_cell(cell, result))
 
     def _log_cell(self, cell: Any, result: Mapping[str, Any]) -> None:
-        config = {"experiment": self.config.name, "run_dir": str(self.run_dir), **result.get("cell", {})}
+        from sae_env.report import phase_rows
+
+        # seed and the phase names in the config: dashboards group and filter runs by config keys.
+        config = {"experiment": self.config.name, "run_dir": str(self.run_dir), **result.get("cell", {}),
+                  "phases": [p["name"] for p in result.get("phases") or []]}
         run = self._init(cell.id, cell.agent, config)
         try:
             run.define_metric("sim_time_s")
@@ -161,6 +168,9 @@ class Tracker:
                 run.log(window_metrics(row))
             run.summary.update({f"final/{k}": v for k, v in result.get("summary", {}).items()
                                 if _is_number(v)})
+            for p in phase_rows({cell.id: result}, [cell.id]):
+                run.summary.update({f"final/phase/{p['phase']}/{k}": p[k] for k in ("token_hit_rate", "ttft_mean_ms",
+                                                                                   "requests") if _is_number(p[k])})
         finally:
             run.finish()
 
@@ -169,7 +179,7 @@ class Tracker:
         self._guard("summary", lambda: self._log_summary(experiment_run, plots))
 
     def _log_summary(self, experiment_run: Any, plots: Sequence[str | Path]) -> None:
-        from sae_env.report import SUMMARY_COLUMNS, summary_rows
+        from sae_env.report import PHASE_COLUMNS, SUMMARY_COLUMNS, phase_rows, summary_rows
 
         wandb = self._module()
         rows = summary_rows(experiment_run.results, [c.id for c in experiment_run.cells])
@@ -181,6 +191,12 @@ class Tracker:
                 columns = table_columns(rows, SUMMARY_COLUMNS)
                 run.log({"cells": wandb.Table(columns=list(SUMMARY_COLUMNS),
                                               data=[list(r) for r in zip(*columns.values(), strict=True)])})
+            order = [c.id for c in experiment_run.cells]
+            phases = phase_rows(experiment_run.results, order)
+            if phases:  # one row per (cell, phase): a table panel groups it by phase, seed and agent
+                columns = table_columns(phases, PHASE_COLUMNS)
+                run.log({"phases": wandb.Table(columns=list(PHASE_COLUMNS),
+                                               data=[list(r) for r in zip(*columns.values(), strict=True)])})
             images = {f"plots/{Path(p).stem}": wandb.Image(str(p)) for p in plots if str(p).endswith(".png")}
             if images:
                 run.log(images)

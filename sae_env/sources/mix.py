@@ -4,6 +4,7 @@ Config (a YAML / JSON file, or the same keys as options)::
 
     seed: 0
     on_exhausted: cycle          # cycle | repeat | stop
+    after_schedule: keep         # keep | drop: requests that arrive after the last phase ends
     arrivals: poisson            # or {process: azure, trace: azure_conv | azure_code} or {process: azure, path: CSV}
     components:
       - {name: chat,  source: conversations, path: wildchat_multiturn.jsonl.gz, options: {block_size: 16}}
@@ -29,7 +30,9 @@ Algorithm:
    next unused session, in order. When a component runs out: ``cycle`` (default) starts over with a fresh key salt per
    pass, so a replayed session shares nothing with its earlier copy (but shares, within its pass, whatever the
    component's sessions share with each other, e.g. a system prompt); ``repeat`` starts over with the same keys (a
-   replay can hit its earlier copy); ``stop`` drops the start (counted). A session runs on past its phase's end.
+   replay can hit its earlier copy); ``stop`` drops the start (counted). A session runs on past its phase's end,
+   and past the schedule's end unless ``after_schedule: drop``, which ends the trace with the schedule, as a recorded
+   excerpt ends: later turns of the sessions still running are dropped (counted in the stats).
 4. Keys are salted per component (and per pass for ``cycle``) with ``key -> mix64(key XOR h(salt))``: a bijection of
    64-bit keys for each salt, so every equality and every inequality between keys of one component (prompt and
    output keys alike) is kept exactly, and keys of different components (or passes) meet only by a 64-bit accident.
@@ -57,10 +60,11 @@ from sae_env.sources.azure import AzureProcess, load_process
 from sae_env.sources.synthetic import _integer, _number, phase_of, poisson_arrivals, read_config_file
 from sae_env.trace import LoadReport, Trace, csr_offsets, mix64
 
-__all__ = ["ARRIVAL_PROCESSES", "Component", "MixArrivals", "MixConfig", "MixPhase", "ON_EXHAUSTED",
-           "component_of", "interleave", "load", "phase_of"]
+__all__ = ["AFTER_SCHEDULE", "ARRIVAL_PROCESSES", "Component", "MixArrivals", "MixConfig", "MixPhase", "ON_EXHAUSTED",
+           "azure_arrivals", "component_of", "interleave", "load", "phase_of"]
 
 ON_EXHAUSTED = ("cycle", "repeat", "stop")
+AFTER_SCHEDULE = ("keep", "drop")
 ARRIVAL_PROCESSES = ("poisson", "azure")
 _MAX_EXPECTED_SESSIONS = 5_000_000
 
@@ -164,6 +168,7 @@ class MixConfig:
     on_exhausted: str = "cycle"
     block_size: int | None = None  # if set, every component must have this block size
     arrivals: MixArrivals = field(default_factory=MixArrivals)
+    after_schedule: str = "keep"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "components", tuple(self.components))
@@ -186,6 +191,8 @@ class MixConfig:
         object.__setattr__(self, "seed", seed)
         if self.on_exhausted not in ON_EXHAUSTED:
             raise ValueError(f"on_exhausted must be one of {list(ON_EXHAUSTED)}, got {self.on_exhausted!r}")
+        if self.after_schedule not in AFTER_SCHEDULE:
+            raise ValueError(f"after_schedule must be one of {list(AFTER_SCHEDULE)}, got {self.after_schedule!r}")
         if self.block_size is not None:
             bs = _integer(self.block_size, "block_size")
             if bs < 1:
@@ -388,6 +395,10 @@ def interleave(traces: Sequence[Trace], config: MixConfig,
     req = lib_order[pos_in_lib]  # library request of every output request, instance by instance
     inst = np.repeat(np.arange(starts.size, dtype=np.int64), n_req)
     t = starts[inst] + lib_rel_t[req]
+    end = float(sum(p.duration for p in config.phases))
+    late = t >= end if config.after_schedule == "drop" else np.zeros(t.size, dtype=bool)
+    late_by_comp = np.bincount(comp[inst[late]], minlength=n_comp)
+    req, inst, t = req[~late], inst[~late], t[~late]  # a session's first request starts within the schedule
     order = np.argsort(t, kind="stable")  # ties keep session start order, then the session's own order
     req, inst, t = req[order], inst[order], t[order]
 
@@ -422,6 +433,7 @@ def interleave(traces: Sequence[Trace], config: MixConfig,
         "sessions_per_phase": [{n: int(used[i, c]) for c, n in enumerate(names)} for i in range(len(phases))],
         "passes": {n: int(pass_[comp == c].max() + 1) if (comp == c).any() else 0 for c, n in enumerate(names)},
         "dropped_exhausted": {n: int(dropped[c]) for c, n in enumerate(names)},
+        "dropped_after_schedule": {n: int(late_by_comp[c]) for c, n in enumerate(names)},
         "features_dropped": len(widths) > 1,
     }
     meta = {"source": "mix", "seed": config.seed, "config": config.to_dict(), "components": names,
@@ -444,7 +456,7 @@ def component_of(trace: Trace) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------------------------
 # Source entry point
 
-_OPTIONS = {"components", "phases", "seed", "on_exhausted", "block_size", "on_error"}
+_OPTIONS = {"components", "phases", "seed", "on_exhausted", "block_size", "arrivals", "after_schedule", "on_error"}
 # The mix config files being loaded, outermost first: a component that is a mix may not include one of them again.
 _LOADING: contextvars.ContextVar[tuple[Path, ...]] = contextvars.ContextVar("mix_loading", default=())
 _MAX_DEPTH = 8  # mixes of mixes: deeper nesting is a mistake, not a workload
@@ -511,6 +523,10 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> tuple[Trace, 
                   f"{process.duration:.0f} s), scaled to each phase's rate")
     report.notes.append(f"session starts: {start_note}, component by the phase's weights; when a component runs "
                         f"out: {config.on_exhausted} (passes {stats['passes']}, dropped {stats['dropped_exhausted']})")
+    if config.after_schedule == "drop":
+        end = trace.meta["phases"][-1]["end"]
+        report.notes.append(f"the trace ends with the schedule ({end:g} s): later requests of sessions still "
+                            f"running dropped ({stats['dropped_after_schedule']})")
     report.notes.append("keys salted per component" + (" and pass" if config.on_exhausted == "cycle" else "")
                         + " (a bijection per salt: equalities within a component kept, none added across)")
     if stats["features_dropped"]:
