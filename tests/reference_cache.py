@@ -17,11 +17,11 @@ without reusing any of their code:
   - ``lfu``: ``(1 + hits, release counter)``;
   - ``fifo``: insertion counter;
   - ``belady``: ``(-next use, -depth, became-evictable counter)``. In ``"scan"`` mode the next use of a key at
-    an eviction during request ``i`` is found by scanning requests ``i, i+1, ...`` for the key (in a prompt, or
-    in outputs when outputs are cached); in ``"access"`` mode it is fixed when the block is touched (hit,
-    insertion or sharing) by request ``i``: the first request after both ``i`` and the latest request admitted so
-    far, also found by a forward scan. That is the definition for timed mode, where outputs are inserted when
-    their request completes, possibly after later requests were admitted (whose uses are then in the past).
+    an eviction during request ``i`` is found by scanning requests ``i, i+1, ...`` for the key in a prompt (an
+    output that contains the key is not a use: it cannot hit); in ``"access"`` mode it is fixed when the block is
+    touched (hit, insertion or sharing) by request ``i``: the first request after both ``i`` and the latest request
+    admitted so far, also found by a forward scan. That is the definition for timed mode, where outputs are inserted
+    when their request completes, possibly after later requests were admitted (whose uses are then in the past).
 
 * Evicted keys go to a FIFO ghost record of ``ghost_capacity`` keys; inserting a ghost key counts a miss after
   eviction under the type the block had when evicted. With ``GHOST_LOOKUP_FIRST = True`` (the engine's order) the
@@ -106,11 +106,8 @@ class ReferenceCache:
         self._evictable: set[int] = set()
         n = len(trace)
         self._uses: list[set[int]] = []
-        for i in range(n):
-            keys = set(trace.prompt_blocks(i)[0].tolist())
-            if cache_outputs:
-                keys |= set(trace.output_blocks(i)[0].tolist())
-            self._uses.append(keys)
+        for i in range(n):  # a use is a prompt reference: outputs are inserted whatever the cache holds
+            self._uses.append(set(trace.prompt_blocks(i)[0].tolist()))
 
     # -- brute-force structure -----------------------------------------------------------------------------
     def children(self) -> dict[int, int]:
@@ -317,6 +314,53 @@ def reference_replay_timed(trace: Trace, policy: str, capacity: int, server, **k
             assert not inflight
         counters.append(ref.c.minus(before))
     return RefResult(hits, counters, ttft, windows, set(ref.blocks))
+
+
+class _ScriptedReference(ReferenceCache):
+    """The reference cache with its victims chosen by a script: choice ``c`` at the ``n``-th eviction is the
+    ``c``-th evictable block by key; past the script it takes the first and records how many there were."""
+
+    def __init__(self, capacity: int, trace: Trace, script: list[int], **kw):
+        super().__init__(capacity, "lru", trace, **kw)
+        self.script = script
+        self.evictions_chosen = 0
+        self.options: list[int] = []  # evictable blocks at each eviction past the script
+
+    def victim(self) -> RefBlock | None:
+        cands = sorted(self.evictable(), key=lambda b: b.key)
+        if not cands:
+            return None
+        n = self.evictions_chosen
+        self.evictions_chosen += 1
+        if n < len(self.script):
+            return cands[self.script[n]]
+        self.options.append(len(cands))
+        return cands[0]
+
+
+def optimal_hits_instant(trace: Trace, capacity: int, limit: int = 5000, **kw) -> int | None:
+    """The most prompt hits that any sequence of victims gives in instant mode: an exhaustive search over every
+    choice among the evictable blocks at every eviction (None if it takes more than ``limit`` replays).
+
+    Each replay follows a script of choices and takes the first block past it; every later choice point then
+    spawns one script per other option, so each sequence of choices is replayed exactly once.
+    """
+    best, todo, runs = -1, [[]], 0
+    while todo:
+        script = todo.pop()
+        runs += 1
+        if runs > limit:
+            return None
+        ref = _ScriptedReference(capacity, trace, script, **kw)
+        hits = 0
+        for i in range(len(trace)):
+            path, h = ref.admit(i)
+            ref.complete(i, path)
+            hits += h
+        best = max(best, hits)
+        for at, k in enumerate(ref.options):
+            todo += [script + [0] * at + [c] for c in range(1, k)]
+    return best
 
 
 def s3fifo_reference(keys: list[int], capacity: int, small_ratio: float = 0.1, move_to_main: int = 1,

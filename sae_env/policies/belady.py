@@ -1,7 +1,11 @@
 """Belady's MIN (offline oracle): evict the evictable leaf whose next use lies furthest in the future.
 
-"Next use" of a block accessed by request ``i`` is the index of the next later request whose prompt (or output,
-if it is shared) contains the same key, after the latest request admitted so far; never again = +inf. Next uses
+"Next use" of a block accessed by request ``i`` is the index of the next later request whose *prompt* contains the
+same key, after the latest request admitted so far; never again = +inf. A later request's output that contains
+the key is not a use: outputs are inserted (or shared) whatever the cache holds, and only prompt references count
+as hits. Counting them (as this module once did) is MIN on the whole reference stream, which spends room keeping a
+block for a reference worth nothing: ``tests/test_policies.py`` has the case where LPC then beats it, and a brute
+force over every eviction choice on small traces finds no case where the prompt-only definition is beaten. Next uses
 are computed once, by one backward pass (a stable sort by key) over the whole trace in :meth:`bind`, and arrive
 with each request through :meth:`on_request` / :meth:`on_complete`: the same interface as every online policy,
 with extra knowledge.
@@ -23,23 +27,20 @@ from sae_env.trace import Trace
 NEVER = np.iinfo(np.int64).max
 
 
-def next_uses(trace: Trace, include_outputs: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def next_uses(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     """The chain of uses of every key: ``(next_occ, occ_req)`` over the occurrences of the trace.
 
-    Occurrences are the prompt blocks (positions ``0 .. n_blocks-1``) followed, when ``include_outputs``, by the
-    output blocks. ``occ_req[j]`` is the request of occurrence ``j``; ``next_occ[j]`` the first occurrence of the same
-    key in a *later* request (-1 if none). One stable sort by (key, request, prompt before output).
+    Occurrences are the prompt blocks (positions ``0 .. n_blocks-1``) followed by the output blocks. ``occ_req[j]``
+    is the request of occurrence ``j``; ``next_occ[j]`` the first *prompt* occurrence of the same key in a *later*
+    request (-1 if none): only a prompt reference can hit, so only a prompt reference is a use. An output
+    occurrence is a source (the block it inserts or shares needs a next use) but never a target. One stable sort by
+    (key, request, prompt before output).
     """
     n = len(trace)
-    p_len = np.diff(trace.prompt_offsets)
-    parts_keys = [trace.prompt_keys]
-    parts_req = [np.repeat(np.arange(n, dtype=np.int64), p_len)]
-    parts_kind = [np.zeros(trace.n_blocks, np.int8)]
-    if include_outputs:
-        parts_keys.append(trace.output_keys)
-        parts_req.append(np.repeat(np.arange(n, dtype=np.int64), np.diff(trace.output_offsets)))
-        parts_kind.append(np.ones(trace.n_output_blocks, np.int8))
-    keys, req, kind = (np.concatenate(p) for p in (parts_keys, parts_req, parts_kind))
+    keys = np.concatenate([trace.prompt_keys, trace.output_keys])
+    req = np.concatenate([np.repeat(np.arange(n, dtype=np.int64), np.diff(trace.prompt_offsets)),
+                          np.repeat(np.arange(n, dtype=np.int64), np.diff(trace.output_offsets))])
+    kind = np.concatenate([np.zeros(trace.n_blocks, np.int8), np.ones(trace.n_output_blocks, np.int8)])
     next_occ = np.full(keys.size, -1, dtype=np.int64)
     if keys.size:
         order = np.lexsort((kind, req, keys))
@@ -48,9 +49,16 @@ def next_uses(trace: Trace, include_outputs: bool = True) -> tuple[np.ndarray, n
         new_run[1:] = (k[1:] != k[:-1]) | (r[1:] != r[:-1])
         run_first = np.flatnonzero(new_run)
         run_of = np.cumsum(new_run) - 1
+        # A run holds a prompt occurrence iff its first one is (prompts sort first); the use of a run is the
+        # first later run of the same key that holds one.
+        prompt_runs = np.flatnonzero(kind[order[run_first]] == 0)
         nxt_first = np.full(run_first.size, -1, dtype=np.int64)
-        same_key = k[run_first[1:]] == k[run_first[:-1]]
-        nxt_first[:-1][same_key] = order[run_first[1:][same_key]]
+        if prompt_runs.size:
+            later = np.searchsorted(prompt_runs, np.arange(run_first.size), side="right")
+            runs = np.flatnonzero(later < prompt_runs.size)
+            cand = prompt_runs[later[runs]]
+            same_key = k[run_first[cand]] == k[run_first[runs]]  # runs of one key are contiguous
+            nxt_first[runs[same_key]] = order[run_first[cand[same_key]]]
         next_occ[order] = nxt_first[run_of]
     return next_occ, req
 
@@ -72,9 +80,7 @@ class BeladyPolicy(KeyedPolicy):
 
     def bind(self, trace: Trace) -> None:
         self._trace = trace
-        # Outputs that are never cached are never used again: they must not count as future uses.
-        with_outputs = self.cache is None or self.cache.cache_outputs
-        self._next_occ, self._occ_req = next_uses(trace, include_outputs=with_outputs)
+        self._next_occ, self._occ_req = next_uses(trace)
         self._next_req = np.where(self._next_occ >= 0, self._occ_req[np.maximum(self._next_occ, 0)], NEVER)
 
     def _context(self, trace: Trace, i: int) -> None:
@@ -83,10 +89,9 @@ class BeladyPolicy(KeyedPolicy):
         a, b = trace.prompt_offsets[i], trace.prompt_offsets[i + 1]
         self._cur_prompt_at = int(a)
         self._cur_prompt = self._next_req[a:b].tolist()
-        if self._next_req.size > trace.n_blocks:
-            a, b = trace.n_blocks + trace.output_offsets[i], trace.n_blocks + trace.output_offsets[i + 1]
-            self._cur_output_at = int(a)
-            self._cur_output = self._next_req[a:b].tolist()
+        a, b = trace.n_blocks + trace.output_offsets[i], trace.n_blocks + trace.output_offsets[i + 1]
+        self._cur_output_at = int(a)
+        self._cur_output = self._next_req[a:b].tolist()
         self._cur_n_prompt = len(self._cur_prompt)
 
     def on_request(self, trace: Trace, i: int, now: float) -> None:
