@@ -19,19 +19,28 @@ as ``ray.init`` returns, and the private folder removed at shutdown.
 With ``address`` (``--ray-address`` on the command line) the cluster is the user's: we connect to it, change no
 environment and leave its network settings to whoever runs it. If Ray is already initialised in this process the
 context manager uses that connection and leaves it open.
+
+:func:`head_node` starts the same kind of private cluster as a separate head node (``ray start --head``, with the
+same variables and ``HOME`` arrangement) that serves Ray Client on loopback: what a test of ``--ray-address
+ray://127.0.0.1:PORT`` connects to, or a user trying Ray Client on one machine. It is stopped through its own process
+group, never with ``ray stop`` (which stops every Ray cluster of the user on the machine).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["LOCAL_ENV", "ray_cluster"]
+__all__ = ["HEAD_ENV", "LOCAL_ENV", "head_node", "ray_cluster"]
 
 # The environment a private local cluster starts with (see the module docstring).
 LOCAL_ENV: dict[str, str] = {
@@ -39,7 +48,26 @@ LOCAL_ENV: dict[str, str] = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
 }
+# A head started by `ray start` (head_node) needs two more than ray.init's cluster (both measured with strace here):
+HEAD_ENV: dict[str, str] = {
+    **LOCAL_ENV,
+    # With usage stats off, the dashboard head of a `ray start` cluster (not of a ray.init one) still POSTs a "usage
+    # disabled" report to Ray's server: send it to a closed loopback port instead.
+    "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
+    # gRPC's default epoll poller races with the fork by which the head's client proxy starts a server per client
+    # (ray-project/ray#63202: that server dies; 3 of 11 first connections here); the plain poll poller does not
+    # (0 of 9).
+    "GRPC_POLL_STRATEGY": "poll",
+}
 _MAX_TEMP_DIR = 40  # characters: Ray appends ~60 (session_<date>_<pid>/sockets/plasma_store) to socket paths
+
+
+def _private_home() -> str:
+    """A fresh folder for ``HOME`` while Ray starts, holding the EMPTY bootstrap config that stops the head's
+    cloud-provider probe (see the module docstring)."""
+    home = tempfile.mkdtemp(prefix="rayhome", dir="/tmp")
+    open(os.path.join(home, "ray_bootstrap_config.yaml"), "w").close()
+    return home
 
 
 def _set_env(values: dict[str, str | None]) -> dict[str, str | None]:
@@ -71,7 +99,7 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None, temp_di
 
         if not isinstance(address, str) or not address:
             raise ValueError(f"ray address must be a non-empty string such as 'ray://host:10001', got {address!r}")
-        ray.init(address=address, **init_options)
+        _connect(ray, address, init_options)
         try:
             yield ray
         finally:
@@ -83,11 +111,9 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None, temp_di
                          "under it would pass the 107-byte limit; use a short path under /tmp")
     if num_cpus is not None and (isinstance(num_cpus, bool) or int(num_cpus) < 1):
         raise ValueError(f"num_cpus must be >= 1, got {num_cpus!r}")
-    home = tempfile.mkdtemp(prefix="rayhome", dir="/tmp")
+    home = _private_home()
     own_temp = temp_dir is None
     session_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp") if own_temp else str(temp_dir)
-    # An empty bootstrap config: its presence is what stops the head's cloud-metadata probe.
-    open(os.path.join(home, "ray_bootstrap_config.yaml"), "w").close()
     old = _set_env({**LOCAL_ENV, "HOME": home})
     started = False
     patched = False
@@ -116,3 +142,96 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None, temp_di
         shutil.rmtree(home, ignore_errors=True)
         if own_temp:
             shutil.rmtree(session_dir, ignore_errors=True)
+
+
+_CLIENT_ATTEMPTS = 3
+
+
+def _connect(ray: Any, address: str, init_options: dict[str, Any]) -> None:
+    """``ray.init(address)``; through Ray Client (``ray://``) retried: the head's client proxy starts a server
+    process per client, which now and then dies while it forks (a race in gRPC, ray-project/ray#63202: the client
+    sees ConnectionAbortedError). Measured here: 3 of 6 first connections to a fresh ``ray start --head``."""
+    for attempt in range(1, _CLIENT_ATTEMPTS + 1):
+        try:
+            ray.init(address=address, **init_options)
+            return
+        except ConnectionAbortedError as e:
+            ray.shutdown()
+            if not address.startswith("ray://") or attempt == _CLIENT_ATTEMPTS:
+                raise
+            print(f"warning: Ray Client at {address}: the server's session for this client failed to start "
+                  f"({str(e).strip().splitlines()[-1][:200]}); retrying ({attempt}/{_CLIENT_ATTEMPTS - 1})",
+                  file=sys.stderr)
+            time.sleep(1.0)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _listening(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@contextmanager
+def head_node(num_cpus: int | None = None, client_port: int | None = None, num_gpus: int | None = None,
+              start_timeout_s: float = 120.0) -> Iterator[str]:
+    """A private Ray head node (``ray start --head --block``) bound to loopback, serving Ray Client; yields its
+    address ``ray://127.0.0.1:PORT``.
+
+    Started with :data:`HEAD_ENV` and a private ``HOME`` (nothing leaves the machine, as :func:`ray_cluster`), in a
+    process group of its own with a fresh session folder under /tmp; at exit the group gets SIGTERM, then SIGKILL
+    (:func:`_stop_group`), and the folders are removed. RuntimeError, with the end of Ray's output, when the head
+    does not serve Ray Client within ``start_timeout_s``.
+    """
+    if num_cpus is not None and (isinstance(num_cpus, bool) or int(num_cpus) < 1):
+        raise ValueError(f"num_cpus must be >= 1, got {num_cpus!r}")
+    home = _private_home()
+    session_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    client_port = int(client_port) if client_port is not None else _free_port()
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+           f"--port={_free_port()}", f"--ray-client-server-port={client_port}", "--include-dashboard=false",
+           "--disable-usage-stats", f"--temp-dir={session_dir}"]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={int(num_cpus)}")
+    if num_gpus is not None:
+        cmd.append(f"--num-gpus={int(num_gpus)}")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(HEAD_ENV, HOME=home)
+    log_path = os.path.join(session_dir, "ray-start.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not _listening(client_port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                with open(log_path) as f:
+                    tail = f.read()[-2000:]
+                raise RuntimeError(f"ray start --head did not serve Ray Client on 127.0.0.1:{client_port} "
+                                   f"(exit status {proc.poll()}):\n{tail}")
+            time.sleep(0.5)
+        yield f"ray://127.0.0.1:{client_port}"
+    finally:
+        _stop_group(proc)
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(session_dir, ignore_errors=True)
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
+    """SIGTERM to the head's process group (every Ray process it started), then SIGKILL to whatever is left: the
+    head itself drains for up to 30 s after a SIGTERM, and nothing of a private head needs saving."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the whole group is gone
+        pass
+    proc.wait()

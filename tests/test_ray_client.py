@@ -1,0 +1,93 @@
+"""Ray Client (the ``client`` extra): the README's ``--ray-address ray://HOST:PORT`` against a real head node.
+
+The test starts a private head with ``ray start --head`` on loopback (:func:`sae_env.ray_local.head_node`: the same
+no-traffic settings as the private cluster, stopped through its own process group at the end), runs the README's
+command through ``ray://127.0.0.1:PORT`` and compares every cell with a serial run. The slow variant runs all of it
+under ``strace -f`` and checks that no connection leaves the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("grpc", reason="Ray Client needs the client extra (ray[client])")
+
+from agents import CellRunner  # noqa: E402
+from sae_env.experiment import load_config, load_results, run_experiment  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = {
+    "name": "client",
+    "workloads": [{"name": "tiny", "trace": {"source": "synthetic", "preset": "tiny"}},
+                  {"name": "bailian", "trace": "bailian"}],
+    "capacities": [0.1, 0.3],
+    "agents": ["lru", "saecache", "belady"],
+    "serving": "instant",
+    "window": 10,
+    "seeds": [0, 1],
+    "wandb": {"mode": "disabled"},
+}
+
+# The driver: a head node on loopback, then the README's command through Ray Client; the head is stopped at exit.
+DRIVER = textwrap.dedent("""
+    import subprocess, sys
+    from sae_env.ray_local import head_node
+
+    with head_node(num_cpus=2) as address:
+        print("address", address, flush=True)
+        argv = [sys.executable, "train.py", "--config", sys.argv[1], "--ray-address", address, "--no-progress"]
+        sys.exit(subprocess.run(argv).returncode)
+""")
+
+
+def _strip(results: dict) -> dict:
+    return {k: {kk: vv for kk, vv in v.items() if kk != "timing"} for k, v in results.items()}
+
+
+def _client_run(tmp_path: Path, prefix: list[str] = ()) -> tuple[subprocess.CompletedProcess, dict]:
+    config = {**SMALL, "output": str(tmp_path / "runs")}
+    path = tmp_path / "client.yaml"
+    path.write_text(json.dumps(config))
+    proc = subprocess.run([*prefix, sys.executable, "-c", DRIVER, str(path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert re.search(r"address ray://127\.0\.0\.1:\d+", proc.stdout)
+    (run_dir,) = (tmp_path / "runs" / "client").iterdir()
+    serial = run_experiment(load_config({**config, "output": str(tmp_path / "serial")}, CellRunner()), CellRunner(),
+                            serial=True, progress=False, log=lambda m: None)
+    return proc, {"client": load_results(run_dir), "serial": serial.results}
+
+
+def _no_head_left(stdout: str) -> None:
+    """The head's processes are gone (found by the session folder they were started with)."""
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    port = re.search(r"ray://127\.0\.0\.1:(\d+)", stdout).group(1)
+    assert f"--ray-client-server-port={port}" not in ps
+
+
+def test_ray_client_run_equals_serial(tmp_path):
+    proc, results = _client_run(tmp_path)
+    assert len(results["client"]) == 24
+    assert _strip(results["client"]) == _strip(results["serial"])
+    _no_head_left(proc.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shutil.which("strace"), reason="needs strace")
+def test_ray_client_sends_nothing_off_the_machine(tmp_path):
+    log = tmp_path / "strace.txt"
+    proc, results = _client_run(tmp_path, ["strace", "-f", "-qq", "-e", "trace=connect,sendto,sendmsg,sendmmsg",
+                                           "-o", str(log)])
+    assert _strip(results["client"]) == _strip(results["serial"])
+    inet = re.findall(r"sa_family=AF_INET6?, [^}]*}", log.read_text())
+    assert inet, "no TCP/UDP connection at all: strace did not see Ray"
+    remote = [a for a in inet if "127.0.0.1" not in a and '"::1"' not in a]
+    assert remote == [], f"connections off the machine: {sorted(set(remote))[:5]}"
