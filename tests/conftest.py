@@ -114,16 +114,22 @@ def prefix_traces(draw, max_requests: int = 24, max_prompt: int = 6, max_output:
     return build_trace(prompts, outs, times, tails=tails, out_extra=out_extra)
 
 
+@pytest.fixture(scope="session")
+def _wandb_home(tmp_path_factory) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("wandb-home")
+    dirs = {name: str(base / name.lower()) for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR")}
+    for path in dirs.values():
+        Path(path).mkdir(parents=True, exist_ok=True)
+    return dirs
+
+
 @pytest.fixture(autouse=True)
-def wandb_dirs(tmp_path, monkeypatch) -> dict[str, str]:
-    """W&B's own folders under the test's tmp_path (nothing lands in the home folder), and none of the user's W&B
-    choices (WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_DIR: runs go where the code puts them, offline);
-    returns the variables set. Every test gets it: training commands log offline W&B runs by default."""
+def wandb_dirs(_wandb_home, monkeypatch) -> dict[str, str]:
+    """W&B's own folders in a temporary folder of the session (nothing lands in the home folder), and none of the
+    user's W&B choices (WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_DIR: runs go where the code puts them,
+    offline); returns the variables set. Every test gets it: training commands log offline W&B runs by default."""
     for name in ("WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_DIR"):
         monkeypatch.delenv(name, raising=False)
-    dirs = {name: str(tmp_path / "wandb-home" / name.lower()) for name in
-            ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR")}
-    for name, path in dirs.items():
-        Path(path).mkdir(parents=True, exist_ok=True)
+    for name, path in _wandb_home.items():
         monkeypatch.setenv(name, path)
-    return dirs
+    return dict(_wandb_home)
