@@ -19,7 +19,13 @@ return a victim from :meth:`~sae_env.policies.base.EvictionPolicy.evict`; the ca
 is evictable and raises ``RuntimeError`` if a policy breaks that invariant.
 
 Evicted keys go to a bounded *ghost* record (their type and queue) so that a later request for one of
-them is counted as a *miss after eviction* (a regretted eviction), per token type and per queue.
+them is counted as a *miss after eviction* (a regretted eviction), per token type and per queue; those on output
+blocks (a later request decoding an evicted output again) are also counted apart, so that the prompt's share is
+known.
+
+An optional :class:`CacheObserver` (``cache.observer``) hears every run of missing blocks, every ghost hit and every
+eviction, with the blocks themselves: :mod:`sae_env.explain` uses it to say why each miss happened. Without one the
+loop is the same (one test per run of insertions and per eviction); the compiled engine refuses a cache with one.
 
 :mod:`sae_env.fast_engine` is a compiled copy of :meth:`PrefixCache.serve` with the ``lru`` / ``lfu`` / ``fifo`` /
 ``s3fifo`` hooks inlined, which the replay uses by itself in instant mode; a change to the semantics here must be
@@ -30,7 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -39,7 +45,7 @@ from sae_env.trace import N_TOKEN_TYPES
 if TYPE_CHECKING:
     from sae_env.policies.base import EvictionPolicy
 
-__all__ = ["Block", "GhostRecord", "PrefixCache", "resolve_capacity"]
+__all__ = ["Block", "CacheObserver", "GhostRecord", "PrefixCache", "resolve_capacity"]
 
 
 class Block:
@@ -134,6 +140,24 @@ class GhostRecord(dict):
             raise RuntimeError("ghost record: its order disagrees with its keys")
 
 
+class CacheObserver(Protocol):
+    """What a :class:`PrefixCache` tells an observer (``cache.observer``), in the order it happens.
+
+    * ``on_miss_run(keys, start, prompt, now)``: ``keys[start:]`` are about to be inserted, one by one, for a
+      request: its missing prompt blocks at admission (``prompt`` True; one call per request with a miss, in
+      admission order) or its output blocks at completion (``prompt`` False). Blocks may still be bypassed.
+    * ``on_ghost_hit(j, code, now)``: ``keys[j]`` of the current run was in the ghost record (``code`` is
+      ``queue * 8 + type`` at its eviction); counted as a miss after eviction.
+    * ``on_evict(victim, now)``: ``victim`` left the cache (its fields still hold its last state).
+    """
+
+    def on_miss_run(self, keys: Sequence[int], start: int, prompt: bool, now: float) -> None: ...
+
+    def on_ghost_hit(self, j: int, code: int, now: float) -> None: ...
+
+    def on_evict(self, victim: Block, now: float) -> None: ...
+
+
 def resolve_capacity(capacity: float | int | str, distinct_blocks: int | None = None,
                      kv_bytes_per_token: int | None = None, block_size: int | None = None) -> int:
     """Capacity in blocks from a number of blocks, a fraction of the trace's distinct blocks, or KV bytes.
@@ -199,6 +223,8 @@ class PrefixCache:
         policy: the eviction policy; :meth:`EvictionPolicy.attach` is called with this cache.
         ghost_capacity: how many evicted keys to remember for miss-after-eviction accounting (default: capacity).
         cache_outputs: insert decode (output) blocks on completion, as vLLM does for the generated tokens.
+
+    ``observer`` (default None) may be set to a :class:`CacheObserver` before the replay starts.
     """
 
     def __init__(self, capacity: int, policy: EvictionPolicy, ghost_capacity: int | None = None,
@@ -219,6 +245,8 @@ class PrefixCache:
         self.inserted = 0
         self.miss_after_eviction = [0] * N_TOKEN_TYPES  # per TokenType
         self.miss_after_eviction_queue: dict[int, int] = {}  # per queue id
+        self.output_miss_after_eviction = 0  # of those, on output blocks (the rest are prompt blocks)
+        self.observer: CacheObserver | None = None
         self.occupancy_by_type = [0] * N_TOKEN_TYPES  # cached blocks per TokenType, kept up to date
         policy.attach(self)
         from sae_env.policies.base import EvictionPolicy
@@ -237,6 +265,7 @@ class PrefixCache:
         self.evictions = self.bypasses = self.inserted = 0
         self.miss_after_eviction = [0] * N_TOKEN_TYPES
         self.miss_after_eviction_queue = {}
+        self.output_miss_after_eviction = 0
 
     # -- the generic loop ----------------------------------------------------------------------------------
     def match(self, keys: Sequence[int]) -> int:
@@ -344,6 +373,9 @@ class PrefixCache:
         parent = path[-1] if path else None
         depth = start if first_depth is None else first_depth
         sees_inserts = self._policy_sees_inserts
+        observer = self.observer
+        if observer is not None:
+            observer.on_miss_run(keys, start, first_depth is None, now)
         for j in range(start, len(keys)):
             k = keys[j]
             if k in blocks:
@@ -365,9 +397,14 @@ class PrefixCache:
             if k in ghosts:
                 # Looked up before evicting: the eviction that makes room could push this very key out of a full
                 # ghost record.
-                queue, btype = divmod(ghosts.take(k), 8)
+                code = ghosts.take(k)
+                queue, btype = divmod(code, 8)
                 self.miss_after_eviction[btype] += 1
                 self.miss_after_eviction_queue[queue] = self.miss_after_eviction_queue.get(queue, 0) + 1
+                if first_depth is not None:
+                    self.output_miss_after_eviction += 1
+                if observer is not None:
+                    observer.on_ghost_hit(j, code, now)
             if len(blocks) >= self.capacity and not self._evict_one(now):
                 self.bypasses += len(keys) - j
                 return
@@ -401,6 +438,8 @@ class PrefixCache:
         victim.parent = None
         self.evictions += 1
         self.ghosts.add(victim.key, victim.queue * 8 + victim.type)
+        if self.observer is not None:
+            self.observer.on_evict(victim, now)
         return True
 
     # -- inspection ----------------------------------------------------------------------------------------

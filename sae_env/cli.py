@@ -5,6 +5,7 @@ Subcommands:
   run            run an experiment config (``python train.py`` alone runs configs/quickstart.yaml)
   characterize   the workload study of a trace (reuse by type / app / offset, gap fits)
   replay         replay a trace through one or more policies and print them side by side
+  explain        where one policy loses to Belady: its misses split and explained, beside the partial oracles
 
 Bad input (unknown source or policy, malformed trace, impossible capacity) prints one clear line on stderr and
 exits with status 2; nothing is half-written (outputs are written atomically).
@@ -191,19 +192,24 @@ REPLAY_COLUMNS = ("token_hit_rate", "block_hit_rate", "hit_tokens", "evictions",
                   "ttft_p50_ms", "ttft_p99_ms", "decision_us_per_request")
 
 
-def cmd_replay(args: argparse.Namespace) -> int:
-    from sae_env.cache import PrefixCache, resolve_capacity
-    from sae_env.metrics import summarize
-    from sae_env.policies import make_policy, policy_names
-    from sae_env.replay import Replay
-    from sae_env.serving import make_server
+def _policy_list(text: str) -> list[str]:
+    """A comma list of registered policy names (UsageError naming the unknown ones)."""
+    from sae_env.policies import policy_names
 
-    names = [p.strip() for p in args.policy.split(",") if p.strip()]
+    names = [p.strip() for p in text.split(",") if p.strip()]
     valid = policy_names()
     bad = [p for p in names if p not in valid]
     if not names or bad:
-        raise UsageError(f"unknown policy {bad or args.policy!r}; valid policies: {', '.join(valid)}")
-    _check_outputs(args)
+        raise UsageError(f"unknown policy {bad or text!r}; valid policies: {', '.join(valid)}")
+    return names
+
+
+def _replay_inputs(args: argparse.Namespace) -> tuple[Trace, int, int]:
+    """The trace (``--trace/--source/--opt/--block-size``, rescaled by ``--load``), the capacity in blocks and the
+    trace's distinct blocks, as ``replay`` and ``explain`` read them."""
+    from sae_env.cache import resolve_capacity
+    from sae_env.serving import make_server
+
     trace, report = load_input(args.trace, args.source, parse_options(args.opt), args.block_size)
     print(report, file=sys.stderr)
     if args.load is not None:
@@ -217,14 +223,34 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if capacity > 100 * max(distinct, 1):
         raise UsageError(f"capacity {capacity} blocks is more than 100x the trace's {distinct} distinct blocks; "
                          "use a fraction (e.g. 0.15) or a smaller number")
-    results = []
+    return trace, capacity, distinct
+
+
+def _build_policy(args: argparse.Namespace, name: str) -> tuple[Any, list]:
+    """The policy ``name`` with what the extensions give it (a predictor) and its online learners, as ``replay``
+    runs it."""
+    from sae_env.policies import make_policy
+
     extensions = getattr(args, "extensions", ())
+    options: dict[str, Any] = {}
+    for ext in extensions:
+        options.update(ext.policy_options(args, name))
+    policy = make_policy(name, **options)
+    return policy, [cb for ext in extensions for cb in ext.replay_callbacks(args, policy)]
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from sae_env.cache import PrefixCache
+    from sae_env.metrics import summarize
+    from sae_env.replay import Replay
+    from sae_env.serving import make_server
+
+    names = _policy_list(args.policy)
+    _check_outputs(args)
+    trace, capacity, distinct = _replay_inputs(args)
+    results = []
     for name in names:
-        options: dict[str, Any] = {}
-        for ext in extensions:
-            options.update(ext.policy_options(args, name))
-        policy = make_policy(name, **options)
-        callbacks = [cb for ext in extensions for cb in ext.replay_callbacks(args, policy)]
+        policy, callbacks = _build_policy(args, name)
         server = make_server(args.serving)
         rep = Replay(trace, PrefixCache(capacity, policy), server, window_requests=args.window,
                      callbacks=callbacks)
@@ -247,6 +273,36 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, results[0] if len(results) == 1 else results)
         print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Where a policy loses to Belady: replay it (as ``replay`` does) beside the references and explain its misses."""
+    from sae_env.explain import explain, format_table, write_outputs
+    from sae_env.serving import make_server
+
+    names = _policy_list(args.policy)
+    if len(names) != 1:
+        raise UsageError(f"--policy takes one policy, got {args.policy!r} (compare others with --compare)")
+    policy = names[0]
+    references = _policy_list(args.compare)
+    missing = [p for p in ("lru", "belady") if p not in references]
+    if missing:
+        raise UsageError(f"--compare must include {' and '.join(missing)} (the ends of the gap), got "
+                         f"{args.compare!r}")
+    name = Path(args.trace).name.split(".")[0] or "trace"
+    folder = f"{name}_{policy}_{args.capacity}".replace("%", "pct").replace("/", "_")
+    out = Path(args.out) if args.out else Path("runs") / "explain" / folder
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a folder")
+    trace, capacity, _ = _replay_inputs(args)
+    timed = args.serving != "instant"
+    result = explain(trace, policy, capacity, build=lambda n: _build_policy(args, n),
+                     server=(lambda: make_server(args.serving)) if timed else None, window=args.window,
+                     references=references, progress=args.progress, label=name, serving=args.serving)
+    print(format_table(result))
+    for path in write_outputs(result, out):
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -422,8 +478,27 @@ def build_parser(extensions: Sequence[CliExtension] = (), prog: str | None = Non
     r.add_argument("--json", help="write the summary as JSON")
     r.add_argument("--progress", action="store_true", help="show a progress bar")
     r.set_defaults(func=cmd_replay)
+    e = sub.add_parser("explain", help="where a policy loses to Belady (misses split, regret, partial oracles)",
+                       description="Replay one policy exactly as `replay` does, beside LRU, the partial oracles and "
+                       "Belady; split its prompt-block misses into compulsory, capacity and regret (evicted, then "
+                       "missed while the ghost record held it), break the regret down by token type, queue, turn, "
+                       "depth and idle time at eviction, and list the blocks Belady keeps that it evicts. Prints the "
+                       "main table; writes explain.md, explain.json and plots/*.png to --out.")
+    trace_args(e, positional=False)
+    e.add_argument("--policy", required=True, help="the policy to explain (one name, e.g. saecache)")
+    e.add_argument("--capacity", default="0.1", help="as for replay (blocks, fraction, '15%%' or KV bytes)")
+    e.add_argument("--compare", default="lru,session-oracle,reuse-oracle,belady", help="reference policies "
+                   "replayed beside it (comma list; must include lru and belady; default %(default)s)")
+    e.add_argument("--serving", default="instant", help="as for replay")
+    e.add_argument("--load", type=float, metavar="U", help="as for replay")
+    e.add_argument("--block-size", type=int, help="as for replay")
+    e.add_argument("--window", type=int, default=200, help="requests per window, as for replay (default 200)")
+    e.add_argument("--out", metavar="DIR", help="output folder (default runs/explain/<trace>_<policy>_<capacity>)")
+    e.add_argument("--progress", action="store_true", help="show a progress bar per replay")
+    e.set_defaults(func=cmd_explain)
     for ext in extensions:
         ext.add_replay_options(r)
+        ext.add_replay_options(e)
         ext.add_commands(sub)
     return p
 

@@ -99,10 +99,11 @@ SMALL_TARGET, GHOST_SIZE, MOVE_TO_MAIN, MAX_FREQ = range(4)
 # is M's, as in the Python policy).
 Q_SMALL, Q_MAIN, Q_PARKED = 0, 1, 2
 # Window counters: evictions, bypasses, insertions, misses after eviction per TokenType, then per queue id (the
-# ghost record keeps ``queue * 8 + type`` per key, as PrefixCache.ghosts does).
+# ghost record keeps ``queue * 8 + type`` per key, as PrefixCache.ghosts does), then those on output blocks.
 EVICTIONS, BYPASSES, INSERTED, MAE = 0, 1, 2, 3
 MAEQ = MAE + N_TOKEN_TYPES
 N_QUEUE_IDS = 8
+MAEO = MAEQ + N_QUEUE_IDS
 
 
 class WindowCounts(NamedTuple):
@@ -113,6 +114,7 @@ class WindowCounts(NamedTuple):
     inserted: int
     mae_by_type: list[int]  # misses after eviction per TokenType
     mae_by_queue: dict[int, int]  # misses after eviction per queue id (only the queues that had one)
+    mae_output: int  # misses after eviction on output blocks
 
 
 def policy_code(policy: object) -> int | None:
@@ -134,6 +136,8 @@ def unsupported_reason(cache: PrefixCache) -> str | None:
     if policy_code(policy) is None:
         return (f"policy {policy.name!r} ({type(policy).__name__}) has no compiled engine (only lru, lfu, fifo, "
                 "s3fifo)")
+    if cache.observer is not None:
+        return "the cache has an observer (the compiled engine reports no per-block events)"
     if len(cache.blocks) or cache.ghosts:
         return "the cache is not fresh (it already holds blocks or ghosts)"
     if any(getattr(policy, a, None) for a in ("_seq", "_free", "_small", "_main", "_ghost", "_parked")):
@@ -545,6 +549,8 @@ def _run_window(a, b, po, oo, n_pr, ids, types, cache_outputs, code, capacity, g
                         # A ghost: looked up before evicting, which could push it out of a full ghost record.
                         cnt[MAE + (gty[g] & 7)] += 1
                         cnt[MAEQ + (gty[g] >> 3)] += 1
+                        if part == 1:
+                            cnt[MAEO] += 1
                         gid[g] = -1
                         sc[GLIVE] -= 1
                 if sc[N] >= capacity:
@@ -636,7 +642,7 @@ class FastEngine:
         self.gid = np.full(g, -1, dtype=np.int32)
         self.gty = np.zeros(g, dtype=np.uint8)
         self.occ = np.zeros(N_TOKEN_TYPES, dtype=np.int64)
-        self.cnt = np.zeros(MAEQ + N_QUEUE_IDS, dtype=np.int64)
+        self.cnt = np.zeros(MAEO + 1, dtype=np.int64)
         self.path = np.zeros(max(1, max_path), dtype=np.int32)
 
     @classmethod
@@ -676,9 +682,9 @@ class FastEngine:
         _run_window(a, b, tr.prompt_offsets, tr.output_offsets, tr.n_blocks, self.ids, self.types, self.cache_outputs,
                     self.code, self.capacity, self.ghost_capacity, self.rec, self.sc, self.hq, self.slot_of, self.gid,
                     self.gty, self.occ, cnt, hits, self.path, self.pp, self.pgid, self.pg_pos)
-        by_queue = cnt[MAEQ:].tolist()
+        by_queue = cnt[MAEQ:MAEO].tolist()
         return hits, WindowCounts(int(cnt[EVICTIONS]), int(cnt[BYPASSES]), int(cnt[INSERTED]), cnt[MAE:MAEQ].tolist(),
-                                  {q: c for q, c in enumerate(by_queue) if c})
+                                  {q: c for q, c in enumerate(by_queue) if c}, int(cnt[MAEO]))
 
     def occupancy_by_queue(self) -> dict[int, int]:
         """As the policy's ``occupancy_by_queue``: S3-FIFO reports S and M (parked blocks count in M), even when

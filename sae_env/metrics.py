@@ -51,6 +51,7 @@ class WindowStats:
     capacity: int
     occupancy_by_queue: dict[int, int]
     occupancy_by_type: list[int]
+    output_miss_after_eviction: int = 0  # of the misses after eviction, those on output blocks (not prompt misses)
     ttft_ms: list[float] = field(default_factory=list, repr=False)  # first tokens produced in this window
     queue_ms: list[float] = field(default_factory=list, repr=False)
     hits_per_request: list[int] = field(default_factory=list, repr=False)  # hit blocks of each request, in order
@@ -126,6 +127,7 @@ def summarize(windows: list[WindowStats], *, policy: str = "", block_size: int |
         "bypasses": total("bypasses"),
         "inserted": total("inserted"),
         "miss_after_eviction": int(mae.sum()),
+        "output_miss_after_eviction": total("output_miss_after_eviction"),
         "hit_rate_by_type": {TokenType(k).name: (float(hits[k] / refs[k]) if refs[k] else None)
                              for k in range(N_TOKEN_TYPES)},
         "miss_after_eviction_by_type": {TokenType(k).name: int(mae[k]) for k in range(N_TOKEN_TYPES)},

@@ -26,6 +26,16 @@ seed of the config (``_representative``):
 - ``hit_rate_over_time.png``: windowed token hit rate over simulated time, one line per agent, phases shaded;
 - ``params_<workload>_<agent>.png``: an adaptive agent's parameters over time (alpha per queue, type weights,
   mu / sigma, gamma for SAECache; any other parameters in a last panel), phases shaded.
+
+Gap-analysis figures (``train.py explain``) take the dict returned by :func:`sae_env.explain.explain`:
+
+- ``gap_bar.png``: every policy's token hit rate on one bar (LRU's hits grey, the LRU-to-Belady gap cut at each
+  policy), each mark labelled with its share of the gap;
+- ``miss_split.png``: each policy's prompt blocks as hits, compulsory, capacity and regret misses (stacked);
+- ``regret_by.png``: the policy's regret misses by token type, queue at eviction, session turn, block depth and idle
+  time at eviction, with the regret per 100 references of each bucket where that is defined;
+- ``belady_keeps.png``: the blocks the policy misses and Belady hits, by token type and by age, beside all of the
+  policy's misses.
 """
 
 from __future__ import annotations
@@ -43,8 +53,9 @@ from scipy import stats
 from sae_env.files import atomic_path
 from sae_env.intervals import mean_interval
 
-__all__ = ["plot_gap_histograms", "plot_hit_by_offset", "plot_hit_rate_over_time", "plot_hit_rate_vs_capacity",
-           "plot_param_trajectories", "plot_reuse_by_app", "plot_reuse_by_token_type", "plot_ttft_cdf",
+__all__ = ["plot_belady_keeps", "plot_gap_bar", "plot_gap_histograms", "plot_hit_by_offset",
+           "plot_hit_rate_over_time", "plot_hit_rate_vs_capacity", "plot_miss_split", "plot_param_trajectories",
+           "plot_regret_breakdown", "plot_reuse_by_app", "plot_reuse_by_token_type", "plot_ttft_cdf",
            "plot_ttft_vs_load"]
 
 _DPI = 110
@@ -336,3 +347,128 @@ def plot_param_trajectories(results: list[Mapping[str, Any]], out_dir: str | Pat
             fig.suptitle(f"{agent}: parameters over time, {_title(r['cell'])}", fontsize=10, y=1.06)
             paths.append(_save(fig, Path(out_dir) / f"params_{w}_{agent}.png"))
     return paths
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gap analysis (the dict returned by sae_env.explain.explain)
+
+_MISS_COLORS = {"hits": "#4c9a5f", "compulsory": "#b0b0b0", "capacity": "#e0a040", "regret": "#c8443c"}
+
+
+def _explain_title(result: Mapping[str, Any], what: str) -> str:
+    share = result["capacity_blocks"] / max(1, result["distinct_blocks"])
+    return (f"{what}: {result['policy']} on {result.get('trace') or 'the trace'}, "
+            f"{result['capacity_blocks']:,} blocks ({share:.1%})")
+
+
+def plot_gap_bar(result: Mapping[str, Any], path: str | Path) -> Path:
+    """Every policy's token hit rate on one bar, from LRU to Belady, each with its share of the gap."""
+    rows = result["policies"]
+    by_rate: dict[float, list[Mapping[str, Any]]] = {}
+    for r in rows:  # policies with the same rate share one mark
+        by_rate.setdefault(round(100 * r["token_hit_rate"], 6), []).append(r)
+    rates = sorted(by_rate)
+    top = max(rates) if rates else 1.0
+    fig = Figure(figsize=(9.0, 2.9))
+    ax = fig.add_subplot()
+    lru = next(100 * r["token_hit_rate"] for r in rows if r["policy"] == "lru")
+    ax.barh(0, lru, height=0.5, color="#d9d9d9")
+    colors = ["#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c", "#08306b"]
+    prev = lru
+    for i, v in enumerate(x for x in rates if x > lru):
+        ax.barh(0, v - prev, left=prev, height=0.5, color=colors[i % len(colors)])
+        prev = v
+    for i, v in enumerate(rates):
+        names = " = ".join(r["policy"] for r in by_rate[v])
+        share = by_rate[v][0]["gap_share"]
+        text = f"{names}\n{v:.2f} %" + ("" if share is None else f" ({100 * share:.0f} % of gap)")
+        is_x = any(r["policy"] == result["policy"] for r in by_rate[v])
+        up = i % 2 == 0
+        ax.plot([v, v], [-0.3, 0.3], color="#c8443c" if is_x else "black", lw=2.5 if is_x else 1.2)
+        ax.annotate(text, (v, 0.3 if up else -0.3), xytext=(0, 6 if up else -6), textcoords="offset points",
+                    ha="center", va="bottom" if up else "top", fontsize=8,
+                    fontweight="bold" if is_x else "normal")
+    ax.set_xlim(0, min(100.0, top * 1.12 + 1))
+    ax.set_ylim(-1.3, 1.3)
+    ax.set_yticks([])
+    ax.set_xlabel("token hit rate (%)   grey: LRU's hits; blue: the LRU-to-Belady gap, cut at each policy")
+    ax.set_title(_explain_title(result, "Hit rate from LRU to Belady"), fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    return _save(fig, Path(path))
+
+
+def plot_miss_split(result: Mapping[str, Any], path: str | Path) -> Path:
+    """Each policy's prompt blocks: hits, then compulsory, capacity and regret misses (stacked, % of blocks)."""
+    rows = result["policies"]
+    fig = Figure(figsize=(8.0, 0.55 * len(rows) + 1.6))
+    ax = fig.add_subplot()
+    y = np.arange(len(rows))[::-1]
+    total = max(1, result["prompt_blocks"])
+    left = np.zeros(len(rows))
+    for part in ("hits", "compulsory", "capacity", "regret"):
+        vals = np.array([(r["hit_blocks"] if part == "hits" else r[part]) / total * 100 for r in rows], dtype=float)
+        ax.barh(y, vals, left=left, color=_MISS_COLORS[part], label=part, height=0.6)
+        for yi, lo, v in zip(y, left, vals, strict=True):
+            if v >= 4:
+                ax.text(lo + v / 2, yi, f"{v:.1f}", ha="center", va="center", fontsize=7)
+        left += vals
+    ax.set_yticks(y, [r["policy"] for r in rows])
+    for lab in ax.get_yticklabels():
+        if lab.get_text() == result["policy"]:
+            lab.set_fontweight("bold")
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("% of prompt blocks")
+    ax.legend(fontsize=8, ncol=4, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    ax.set_title(_explain_title(result, "Hits and misses"), fontsize=10, pad=22)
+    return _save(fig, Path(path))
+
+
+def plot_regret_breakdown(result: Mapping[str, Any], path: str | Path) -> Path:
+    """The policy's regret misses by token type, queue, session turn, depth and idle time at eviction; where the
+    references are known, the regret per 100 references of the bucket is written on each bar."""
+    titles = {"token_type": "token type", "queue": "queue at eviction", "turn": "session turn",
+              "depth": "block depth", "idle_at_eviction": "idle at eviction"}
+    fig = Figure(figsize=(13.0, 7.0), layout="constrained")
+    axes = list(fig.subplots(2, 3).ravel())
+    for ax, (dim, title) in zip(axes, titles.items(), strict=False):
+        rows = [r for r in result["regret_by"][dim] if r.get("regret")]
+        x = np.arange(len(rows))
+        ax.bar(x, [r["regret"] for r in rows], color=_MISS_COLORS["regret"])
+        for xi, r in zip(x, rows, strict=True):
+            if r.get("references"):
+                ax.annotate(f"{100 * r['regret'] / r['references']:.1f}", (xi, r["regret"]), ha="center",
+                            va="bottom", fontsize=7)
+        ax.set_xticks(x, [r["bucket"] for r in rows], rotation=40 if len(rows) > 4 else 0, fontsize=7,
+                      ha="right" if len(rows) > 4 else "center")
+        ax.set_title(f"by {title}", fontsize=9)
+        ax.set_ylabel("regret misses (blocks)", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        if not rows:
+            ax.text(0.5, 0.5, "no regret", ha="center", va="center", transform=ax.transAxes)
+    for ax in axes[len(titles):]:
+        ax.set_visible(False)
+    fig.suptitle(_explain_title(result, "Regret (evicted, then missed while the ghost record held it)") +
+                 "; numbers: regret per 100 references", fontsize=9)
+    return _save(fig, Path(path))
+
+
+def plot_belady_keeps(result: Mapping[str, Any], path: str | Path) -> Path:
+    """Prompt blocks the policy misses and Belady hits, by token type and by age, beside all the policy's misses."""
+    k = result["belady_keeps"]
+    fig, axes = _panels(2, width=5.2, height=3.5)
+    for ax, (key, title) in zip(axes, (("by_token_type", "token type"), ("by_age", "age (s since the key's "
+                                                                                   "previous reference)")),
+                                strict=True):
+        rows = k[key]
+        x = np.arange(len(rows))
+        w = 0.4
+        ax.bar(x - w / 2, [r["misses_seen_before"] for r in rows], w, color="#bdbdbd",
+               label=f"{result['policy']}'s misses (keys seen before)")
+        ax.bar(x + w / 2, [r["blocks"] for r in rows], w, color="#2171b5", label="of which Belady hits")
+        ax.set_xticks(x, [r["bucket"] for r in rows], rotation=30, fontsize=7, ha="right")
+        ax.set_title(f"by {title}", fontsize=9)
+        ax.set_ylabel("prompt blocks", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(_explain_title(result, "Blocks Belady keeps that the policy evicts"), fontsize=9)
+    return _save(fig, Path(path))

@@ -162,7 +162,8 @@ class Replay:
         if self._fast is not None:
             fast = self._fast
             hits, c = fast.run_window(a, b)  # an array: _stats turns it into the list WindowStats keeps
-            counts = (c.evictions, c.bypasses, c.inserted, c.mae_by_type, fast.occupancy_by_type, len(fast))
+            counts = (c.evictions, c.bypasses, c.inserted, c.mae_by_type, c.mae_output, fast.occupancy_by_type,
+                      len(fast))
             mae_by_queue, by_queue = c.mae_by_queue, fast.occupancy_by_queue()
         else:
             cache = self._cache
@@ -174,7 +175,7 @@ class Replay:
         self.wall_s += time.perf_counter() - start
         if self._fast is None:
             counts = (cache.evictions, cache.bypasses, cache.inserted, list(cache.miss_after_eviction),
-                      list(cache.occupancy_by_type), len(cache))
+                      cache.output_miss_after_eviction, list(cache.occupancy_by_type), len(cache))
             mae_by_queue = dict(cache.miss_after_eviction_queue)
             by_queue = self.policy.occupancy_by_queue()
         stats = self._stats(a, b, hits, counts, mae_by_queue, by_queue)
@@ -285,9 +286,10 @@ class Replay:
     # -- statistics ----------------------------------------------------------------------------------------
     def _stats(self, a: int, b: int, hits: list[int] | np.ndarray, counts: tuple, mae_by_queue: dict[int, int],
                occupancy_by_queue: dict[int, int]) -> WindowStats:
-        """``counts``: evictions, bypasses, inserted, misses after eviction by type, occupancy by type, occupancy."""
+        """``counts``: evictions, bypasses, inserted, misses after eviction by type and on outputs, occupancy by type,
+        occupancy."""
         tr = self.trace
-        evictions, bypasses, inserted, mae_by_type, occupancy_by_type, occupancy = counts
+        evictions, bypasses, inserted, mae_by_type, mae_output, occupancy_by_type, occupancy = counts
         h = np.asarray(hits, dtype=np.int64)
         if isinstance(hits, np.ndarray):
             hits = hits.tolist()
@@ -312,7 +314,7 @@ class Replay:
             prompt_blocks=int(n_blocks.sum()), hit_blocks=int(h.sum()), evictions=evictions,
             bypasses=bypasses, inserted=inserted, refs_by_type=refs_by_type.tolist(),
             hits_by_type=hits_by_type.tolist(), miss_after_eviction_by_type=mae_by_type,
-            miss_after_eviction_by_queue=mae_by_queue,
+            miss_after_eviction_by_queue=mae_by_queue, output_miss_after_eviction=mae_output,
             refs_by_offset=refs_by_offset[:OFFSET_BUCKETS].tolist(),
             hits_by_offset=hits_by_offset[:OFFSET_BUCKETS].tolist(),
             app_mix=np.bincount(tr.app[a:b], minlength=N_APP_TYPES).tolist(), occupancy=occupancy,

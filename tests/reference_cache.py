@@ -73,14 +73,17 @@ class Counters:
     bypasses: int = 0
     inserted: int = 0
     miss_after_eviction: list[int] = field(default_factory=lambda: [0] * N_TOKEN_TYPES)
+    output_miss_after_eviction: int = 0  # those of the misses after eviction that are output blocks
 
     def copy(self) -> Counters:
-        return Counters(self.evictions, self.bypasses, self.inserted, list(self.miss_after_eviction))
+        return Counters(self.evictions, self.bypasses, self.inserted, list(self.miss_after_eviction),
+                        self.output_miss_after_eviction)
 
     def minus(self, other: Counters) -> Counters:
         return Counters(self.evictions - other.evictions, self.bypasses - other.bypasses,
                         self.inserted - other.inserted,
-                        [a - b for a, b in zip(self.miss_after_eviction, other.miss_after_eviction, strict=True)])
+                        [a - b for a, b in zip(self.miss_after_eviction, other.miss_after_eviction, strict=True)],
+                        self.output_miss_after_eviction - other.output_miss_after_eviction)
 
 
 class ReferenceCache:
@@ -167,7 +170,8 @@ class ReferenceCache:
                 self.ghosts.popitem(last=False)
         self._refresh()
 
-    def _insert_run(self, i: int, path: list[int], keys: list[int], types: list[int], depth: int) -> None:
+    def _insert_run(self, i: int, path: list[int], keys: list[int], types: list[int], depth: int,
+                    output: bool = False) -> None:
         parent = path[-1] if path else None
         for j, k in enumerate(keys):
             if k in self.blocks:  # an output already cached by another request: share it
@@ -181,6 +185,7 @@ class ReferenceCache:
             else:
                 if self.ghost_lookup_first and k in self.ghosts:
                     self.c.miss_after_eviction[self.ghosts.pop(k)] += 1
+                    self.c.output_miss_after_eviction += output
                 if len(self.blocks) >= self.capacity:
                     v = self.victim()
                     if v is None:
@@ -189,6 +194,7 @@ class ReferenceCache:
                     self._evict(v)
                 if k in self.ghosts:
                     self.c.miss_after_eviction[self.ghosts.pop(k)] += 1
+                    self.c.output_miss_after_eviction += output
                 b = RefBlock(k, parent, depth + j, types[j], pins=1, inserted_at=self._tick())
                 self.blocks[k] = b
                 self.c.inserted += 1
@@ -222,7 +228,7 @@ class ReferenceCache:
         n_prompt = len(self.trace.prompt_blocks(i)[0])
         okeys, otypes = (a.tolist() for a in self.trace.output_blocks(i))
         if self.cache_outputs and okeys and len(path) == n_prompt:
-            self._insert_run(i, path, okeys, otypes, n_prompt)
+            self._insert_run(i, path, okeys, otypes, n_prompt, output=True)
         for k in reversed(path):
             b = self.blocks[k]
             b.pins -= 1

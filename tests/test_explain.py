@@ -1,0 +1,225 @@
+"""Tests of the gap analysis (sae_env/explain.py, ``train.py explain``) and the cache counts it rests on.
+
+* Golden: a hand-built trace whose misses (compulsory, capacity, regret), regret details and Belady-kept blocks are
+  worked out by hand.
+* Invariants under hypothesis, instant and timed: the three classes add up to the misses for every policy; the
+  compulsory misses are the same for all and are exactly what an unbounded cache misses; the observer's regret
+  equals the cache's own count (explain raises otherwise); an observer changes no result.
+* Differential: misses after eviction on output blocks against the reference cache; explain's hit rates equal
+  ``train.py replay``'s, adaptive SAECache included (same windows, same online learners).
+* The compiled engine refuses a cache with an observer; the command line's errors exit with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import build_trace, flat_trace, prefix_traces
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_cache import reference_replay_instant, reference_replay_timed
+
+from sae_env import fast_engine
+from sae_env.cache import PrefixCache
+from sae_env.explain import MissRecorder, explain, first_references, format_table, write_outputs
+from sae_env.policies import make_policy
+from sae_env.replay import Replay, replay
+from sae_env.serving import make_server
+
+SERVER = "qwen2.5-1.5b@a40"
+SETTINGS = settings(max_examples=30, deadline=None, report_multiple_bugs=False)
+POLICIES = ("lru", "lpc", "saecache", "session-oracle", "reuse-oracle", "belady")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Golden
+
+
+def test_golden_miss_split():
+    """Capacity 2, one block per request (key = id), request i at time i: a b c a d e b a.
+
+    LRU (ghost record of 2 keys): a, b, c, d, e are first references (compulsory). Request 2 evicts a (ghost: a);
+    request 3 misses a while the ghost holds it (regret; idle at eviction 2 s: last used at 0, evicted at 2) and
+    evicts b (ghost: b); request 4 evicts c (ghost: b c); request 5 evicts a (ghost: c a: b forgotten); request 6
+    misses b, which the ghost no longer holds (capacity), and evicts d (ghost: a d); request 7 misses a, held
+    (regret; idle 2 s again: last used at 3, evicted at 5). So 8 misses: 5 compulsory, 1 capacity, 2 regret.
+    Belady evicts b at request 2 (next use 6, a's is 3), then the dead c, d, e: it hits a at 3 and 7, both of them
+    LRU's regrets, 3 s and 4 s after a's previous reference.
+    """
+    a, b, c, d, e = 1, 2, 3, 4, 5
+    trace = flat_trace([a, b, c, a, d, e, b, a])
+    r = explain(trace, "lru", 2, references=("lru", "belady"), window=3)
+    rows = {p["policy"]: p for p in r["policies"]}
+    assert (rows["lru"]["misses"], rows["lru"]["compulsory"], rows["lru"]["capacity"], rows["lru"]["regret"]) \
+        == (8, 5, 1, 2)
+    assert (rows["belady"]["misses"], rows["belady"]["compulsory"]) == (6, 5)
+    assert rows["lru"]["gap_share"] == 0.0 and rows["belady"]["gap_share"] == 1.0
+    assert r["regret_by"]["idle_at_eviction"] == [{"bucket": "1-10 s", "regret": 2}]
+    assert r["regret_by"]["queue"] == [{"bucket": "0", "regret": 2}]
+    assert r["regret_by"]["token_type"] == [{"bucket": "USER", "references": 8, "misses": 8, "regret": 2}]
+    assert r["regret_by"]["depth"] == [{"bucket": "0", "references": 8, "misses": 8, "regret": 2}]
+    keeps = r["belady_keeps"]
+    assert (keeps["blocks"], keeps["regret"], keeps["capacity"], keeps["policy_keeps_belady_misses"]) == (2, 2, 0, 0)
+    assert keeps["by_age"] == [{"bucket": "1-10 s", "blocks": 2, "misses_seen_before": 3}]
+
+
+def test_first_references():
+    """Outputs count as references when they are cached: request 1's prompt a-b reuses request 0's output b."""
+    trace = build_trace([[0], [0, 1], [2], [0, 1, 2]], [[1], [], [], []])
+    assert first_references(trace).tolist() == [True, False, False, True, False, False, True]
+    assert first_references(trace, include_outputs=False).tolist() == [True, False, True, True, False, False,
+                                                                       True]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Invariants
+
+
+def unbounded_misses(trace) -> int:
+    """Prompt references whose key no earlier request held (prompt or outputs)."""
+    seen: set[int] = set()
+    misses = 0
+    for i in range(len(trace)):
+        keys = trace.prompt_blocks(i)[0].tolist()
+        misses += sum(k not in seen for k in keys)
+        seen.update(keys)
+        seen.update(trace.output_blocks(i)[0].tolist())
+    return misses
+
+
+@pytest.mark.parametrize("timed", [False, True])
+@SETTINGS
+@given(data=st.data(), capacity=st.integers(1, 30), window=st.integers(1, 5))
+def test_miss_classes_add_up(timed, data, capacity, window):
+    trace = data.draw(prefix_traces(timed=timed))
+    r = explain(trace, "saecache", capacity, references=POLICIES, window=window,
+                server=(lambda: make_server(SERVER)) if timed else None)
+    compulsory = unbounded_misses(trace)
+    for p in r["policies"]:
+        assert p["compulsory"] + p["capacity"] + p["regret"] == p["misses"], p
+        assert p["compulsory"] == compulsory and min(p["capacity"], p["regret"]) >= 0, p
+    rows = r["regret_by"]
+    regret = next(p["regret"] for p in r["policies"] if p["policy"] == "saecache")
+    for dim in ("token_type", "queue", "turn", "depth", "idle_at_eviction"):
+        assert sum(b["regret"] for b in rows[dim]) == regret, dim
+    assert sum(b["references"] for b in rows["depth"]) == trace.n_blocks
+    keeps = r["belady_keeps"]
+    assert keeps["capacity"] + keeps["regret"] == keeps["blocks"] == sum(b["blocks"] for b in keeps["by_age"])
+
+
+@SETTINGS
+@given(trace=prefix_traces(), extra=st.integers(0, 3))
+def test_an_unbounded_cache_misses_only_first_references(trace, extra):
+    capacity = max(1, trace.distinct_blocks()) + extra
+    r = explain(trace, "lru", capacity, window=4)
+    for p in r["policies"]:
+        assert (p["capacity"], p["regret"]) == (0, 0) and p["misses"] == p["compulsory"], p
+
+
+@pytest.mark.parametrize("timed", [False, True])
+@SETTINGS
+@given(data=st.data(), capacity=st.integers(1, 30), name=st.sampled_from(["lru", "belady", "saecache"]))
+def test_an_observer_changes_nothing(timed, data, capacity, name):
+    trace = data.draw(prefix_traces(timed=timed))
+
+    def run(observe: bool) -> Replay:
+        cache = PrefixCache(capacity, make_policy(name))
+        if observe:
+            MissRecorder(cache)
+        r = Replay(trace, cache, make_server(SERVER) if timed else None, window_requests=3, engine="python")
+        r.run()
+        return r
+
+    assert run(True).windows == run(False).windows
+
+
+@pytest.mark.parametrize("timed", [False, True])
+@SETTINGS
+@given(data=st.data(), capacity=st.integers(1, 30), ghosts=st.sampled_from([None, 0, 3]),
+       name=st.sampled_from(["lru", "lfu", "fifo", "belady"]))
+def test_output_misses_after_eviction_match_the_reference(timed, data, capacity, ghosts, name):
+    """Both engines (the compiled one in instant mode) count the misses after eviction on output blocks as the
+    reference cache does."""
+    trace = data.draw(prefix_traces(timed=timed))
+    server = make_server(SERVER) if timed else None
+    r = replay(trace, make_policy(name), capacity, server=server, window_requests=1, ghost_capacity=ghosts)
+    if timed:
+        ref = reference_replay_timed(trace, name, capacity, make_server(SERVER), ghost_capacity=ghosts)
+    else:
+        ref = reference_replay_instant(trace, name, capacity, ghost_capacity=ghosts)
+    assert [w.output_miss_after_eviction for w in r.windows] == [c.output_miss_after_eviction for c in ref.counters]
+
+
+def test_output_misses_after_eviction_by_hand():
+    """Capacity 2: request 0 decodes b after its prompt a; request 1 (c, then d) evicts b, then a; request 2 (a,
+    decoding b again) misses a while the ghost record holds it (a prompt miss after eviction) and inserts b, also
+    held there (an output one)."""
+    trace = build_trace([[0], [2, 3], [0]], [[1], [], [1]])
+    w = replay(trace, make_policy("lru"), 2, window_requests=3, engine="python").windows[0]
+    assert sum(w.miss_after_eviction_by_type) == 2 and w.output_miss_after_eviction == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Engines and the command line
+
+
+def test_the_compiled_engine_refuses_an_observer():
+    pytest.importorskip("numba")
+    cache = PrefixCache(4, make_policy("lru"))
+    MissRecorder(cache)
+    assert "observer" in fast_engine.unsupported_reason(cache)
+    with pytest.raises(ValueError, match="observer"):
+        Replay(flat_trace([1, 2, 3]), cache, engine="fast")
+    assert Replay(flat_trace([1, 2, 3]), cache).engine == "python"
+    with pytest.raises(ValueError, match="already has an observer"):
+        MissRecorder(cache)
+
+
+def test_explain_equals_replay_for_adaptive_saecache(tmp_path, capsys):
+    """Same trace, capacity and window: explain's hit rates are replay's, for SAECache with its online learners
+    (which act between windows) and for the references."""
+    from agents.cli import main
+
+    common = ["--trace", "mooncake_arxiv", "--capacity", "0.05", "--window", "100"]
+    assert main(["replay", *common, "--policy", "saecache,lru,reuse-oracle,belady", "--json",
+                 str(tmp_path / "replay.json")]) == 0
+    replayed = {r["policy"]: r["token_hit_rate"] for r in json.loads((tmp_path / "replay.json").read_text())}
+    assert main(["explain", *common, "--policy", "saecache", "--out", str(tmp_path / "ex")]) == 0
+    result = json.loads((tmp_path / "ex" / "explain.json").read_text())
+    assert result["adaptive"]
+    explained = {p["policy"]: p["token_hit_rate"] for p in result["policies"]}
+    assert {p: explained[p] for p in replayed} == replayed
+    table = capsys.readouterr().out
+    assert "gap share" in table and "saecache" in table and "Belady hits" in table
+    for name in ("explain.md", "plots/gap_bar.png", "plots/miss_split.png", "plots/regret_by.png",
+                 "plots/belady_keeps.png"):
+        assert (tmp_path / "ex" / name).stat().st_size > 0, name
+    assert "## saecache's regret" in (tmp_path / "ex" / "explain.md").read_text()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--policy", "lru,lpc"], "one policy"),
+    (["--policy", "nope"], "unknown policy"),
+    (["--policy", "lru", "--compare", "lru,reuse-oracle"], "must include belady"),
+])
+def test_explain_usage_errors(argv, message, capsys, tmp_path):
+    from agents.cli import main
+
+    assert main(["explain", "--trace", "bailian", "--out", str(tmp_path / "x"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_write_outputs_and_table(tmp_path):
+    trace = flat_trace([1, 2, 3, 1, 4, 5, 2, 1])
+    r = explain(trace, "lpc", 2, window=2, label="hand")
+    paths = write_outputs(r, tmp_path)
+    assert {p.name for p in paths} == {"explain.md", "explain.json", "gap_bar.png", "miss_split.png",
+                                       "regret_by.png", "belady_keeps.png"}
+    assert json.loads((tmp_path / "explain.json").read_text())["policies"][1]["policy"] == "lpc"
+    assert format_table(r).splitlines()[0].startswith("lpc on hand: 8 requests")
+    with pytest.raises(ValueError, match="belady"):
+        explain(trace, "lpc", 2, references=("lru",))
+    assert np.isclose(sum(p["gap_share"] is not None for p in r["policies"]), len(r["policies"]))
