@@ -69,6 +69,12 @@ def _run(target: str) -> Any:
     return handler
 
 
+def add_device_option(p: argparse.ArgumentParser) -> None:
+    """``--device``: where a training command's torch model trains (agents/device.py)."""
+    p.add_argument("--device", default="auto", help="auto (CUDA when torch sees one, else the CPU; default), cpu, "
+                   "cuda or cuda:N")
+
+
 def add_predictor_command(subparsers: Any) -> argparse.ArgumentParser:
     """The ``predictor`` subcommand (agents/session_predictor.py)."""
     p = subparsers.add_parser("predictor", help="train and evaluate the session predictor",
@@ -85,6 +91,7 @@ def add_predictor_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--val-fraction", type=float, default=0.2, help="share of sessions held out (default 0.2)")
     p.add_argument("--json", help="also write the report as JSON")
+    add_device_option(p)
     core_cli.add_wandb_options(p)
     p.set_defaults(func=_run("agents.session_predictor:cmd_predictor"))
     return p
@@ -102,6 +109,7 @@ def add_ppo_command(subparsers: Any) -> argparse.ArgumentParser:
     core_cli.add_set_option(p, "--set ppo.num_envs=4 --set env.capacity=0.05")
     p.add_argument("--total-steps", type=int, help="override ppo.total_steps (= --set ppo.total_steps=N)")
     p.add_argument("--seed", type=int, help="override seed (= --set seed=N)")
+    add_device_option(p)
     core_cli.add_wandb_options(p)
     p.set_defaults(func=_run("agents.ppo:cmd_ppo"))
     return p

@@ -89,7 +89,8 @@ class CellRunner:
 
     A cell's agent spec names an agent kind of :data:`agents.AGENTS` (or ``"module:Class"``) with its options, and
     a policy with its options; a ``predictor`` policy option given as a path loads a session-predictor checkpoint.
-    The trace is handed in (the runner shares it between cells); the env replays all of it (no segments).
+    The trace is handed in (the runner shares it between cells); the env replays all of it (no segments). A cell
+    whose task says ``device: cuda`` runs its torch models (PPO agent, session predictor) there.
     Each history row gets ``phase``: the index in ``phases`` of its first request's phase (-1: none), from the
     trace's phase schedule (synthetic and mix traces).
     """
@@ -100,22 +101,35 @@ class CellRunner:
         "saecache-fixed": {"policy": "saecache", "agent": "fixed"},  # SAECache's default parameters, no learning
     }
 
+    # Agent kinds that run a torch model (they take a ``device`` option).
+    model_kinds: frozenset[str] = frozenset({"ppo"})
+
     @property
     def kinds(self) -> tuple[str, ...]:
         from agents import AGENTS
 
         return tuple(AGENTS)
 
+    def uses_model(self, cell: Mapping[str, Any]) -> bool:
+        """Whether the cell runs a torch model: a learned agent or the session predictor (``ray.gpus_per_cell``)."""
+        spec = cell["agent"]
+        return spec["agent"] in self.model_kinds or (spec.get("policy_options") or {}).get("predictor") is not None
+
     def __call__(self, cell: Mapping[str, Any], trace: Any) -> dict[str, Any]:
         from agents import make_agent
 
         spec = cell["agent"]
+        device = cell.get("device", "cpu")  # "cuda" when the cell was given a GPU (sae_env.experiment)
         policy_options = dict(spec.get("policy_options") or {})
         if isinstance(policy_options.get("predictor"), str):
             from agents.session_predictor import SessionPredictor
 
-            policy_options["predictor"] = SessionPredictor.load(policy_options["predictor"]).as_policy_callable()
-        agent = make_agent(spec["agent"], **dict(spec.get("options") or {}))
+            predictor = SessionPredictor.load(policy_options["predictor"], device=device)
+            policy_options["predictor"] = predictor.as_policy_callable()
+        options = dict(spec.get("options") or {})
+        if spec["agent"] in self.model_kinds:
+            options.setdefault("device", device)
+        agent = make_agent(spec["agent"], **options)
         agent.name = spec["name"]
         env_config = {"trace": trace, "capacity": cell["capacity"], "policy": spec["policy"],
                       "policy_options": policy_options, "serving": cell["serving"], "window": cell["window"],

@@ -251,7 +251,8 @@ class ActorCritic(nn.Module):
         """A sampled action (unclipped), its log-probability and the state value."""
         mean = self.mean(x)
         std = self.log_std.exp().expand_as(mean)
-        action = mean + std * torch.randn(mean.shape, generator=generator)
+        # Noise drawn on the CPU generator, then moved: one seed, the same draws on every device.
+        action = mean + std * torch.randn(mean.shape, generator=generator).to(mean.device)
         logprob = torch.distributions.Normal(mean, std).log_prob(action).sum(-1)
         return action, logprob, self.value(x)
 
@@ -313,16 +314,17 @@ def collect_rollout(envs: VectorEnv, model: ActorCritic, state: RolloutState, nu
     """Step the vector env ``num_steps`` times with sampled actions; updates ``state`` in place."""
     n, d = envs.num_envs, model.act_dim
     space = envs.single_observation_space
+    device = model.log_std.device
     r = Rollout(obs=np.zeros((num_steps, n, model.obs_dim), dtype=np.float32),
                 actions=np.zeros((num_steps, n, d), dtype=np.float32), logprobs=np.zeros((num_steps, n)),
                 values=np.zeros((num_steps, n)), rewards=np.zeros((num_steps, n)),
                 terminated=np.zeros((num_steps, n), dtype=bool), truncated=np.zeros((num_steps, n), dtype=bool),
                 valid=np.zeros((num_steps, n), dtype=bool), next_obs=state.obs, next_value=np.zeros(n))
     for t in range(num_steps):
-        x = torch.as_tensor(state.obs)
+        x = torch.as_tensor(state.obs, device=device)
         action, logprob, value = model.act(x, generator)
-        a = action.numpy()
-        r.obs[t], r.actions[t], r.logprobs[t], r.values[t] = state.obs, a, logprob.numpy(), value.numpy()
+        a = action.cpu().numpy()
+        r.obs[t], r.actions[t], r.logprobs[t], r.values[t] = state.obs, a, logprob.cpu().numpy(), value.cpu().numpy()
         r.valid[t] = ~state.pending_reset
         obs, reward, terminated, truncated, _ = envs.step(np.clip(a, -1.0, 1.0))
         valid = r.valid[t]
@@ -340,7 +342,7 @@ def collect_rollout(envs: VectorEnv, model: ActorCritic, state: RolloutState, nu
         state.pending_reset = ended
         state.obs = flatten_obs(space, obs)
     r.next_obs = state.obs
-    r.next_value = model.value(torch.as_tensor(state.obs)).numpy().astype(np.float64)
+    r.next_value = model.value(torch.as_tensor(state.obs, device=device)).cpu().numpy().astype(np.float64)
     return r
 
 
@@ -371,12 +373,13 @@ def ppo_update(model: ActorCritic, optimizer: torch.optim.Optimizer, rollout: Ro
     idx = np.flatnonzero(rollout.valid.reshape(-1))
     if idx.size == 0:
         return {}
-    b_obs = torch.as_tensor(rollout.obs.reshape(-1, model.obs_dim)[idx])
-    b_act = torch.as_tensor(rollout.actions.reshape(-1, model.act_dim)[idx])
-    b_logp = torch.as_tensor(rollout.logprobs.reshape(-1)[idx], dtype=torch.float32)
-    b_adv = torch.as_tensor(advantages.reshape(-1)[idx], dtype=torch.float32)
-    b_ret = torch.as_tensor(returns.reshape(-1)[idx], dtype=torch.float32)
-    b_val = torch.as_tensor(rollout.values.reshape(-1)[idx], dtype=torch.float32)
+    dev = model.log_std.device
+    b_obs = torch.as_tensor(rollout.obs.reshape(-1, model.obs_dim)[idx], device=dev)
+    b_act = torch.as_tensor(rollout.actions.reshape(-1, model.act_dim)[idx], device=dev)
+    b_logp = torch.as_tensor(rollout.logprobs.reshape(-1)[idx], dtype=torch.float32, device=dev)
+    b_adv = torch.as_tensor(advantages.reshape(-1)[idx], dtype=torch.float32, device=dev)
+    b_ret = torch.as_tensor(returns.reshape(-1)[idx], dtype=torch.float32, device=dev)
+    b_val = torch.as_tensor(rollout.values.reshape(-1)[idx], dtype=torch.float32, device=dev)
     n = idx.size
     mb = max(1, n // cfg.num_minibatches)
     clipfracs: list[float] = []
@@ -384,7 +387,7 @@ def ppo_update(model: ActorCritic, optimizer: torch.optim.Optimizer, rollout: Ro
     for _epoch in range(cfg.update_epochs):
         order = rng.permutation(n)
         for start in range(0, n, mb):
-            mbi = torch.as_tensor(order[start:start + mb])
+            mbi = torch.as_tensor(order[start:start + mb], device=dev)
             dist = model.distribution(b_obs[mbi])
             newlogp = dist.log_prob(b_act[mbi]).sum(-1)
             entropy = dist.entropy().sum(-1)
@@ -415,7 +418,7 @@ def ppo_update(model: ActorCritic, optimizer: torch.optim.Optimizer, rollout: Ro
                      "losses/approx_kl": approx_kl.item()}
         if cfg.target_kl is not None and stats["losses/approx_kl"] > cfg.target_kl:
             break
-    y_pred, y_true = b_val.numpy().astype(np.float64), b_ret.numpy().astype(np.float64)
+    y_pred, y_true = b_val.cpu().numpy().astype(np.float64), b_ret.cpu().numpy().astype(np.float64)
     var_y = np.var(y_true)
     stats["losses/clipfrac"] = float(np.mean(clipfracs))
     stats["losses/explained_variance"] = float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
@@ -440,8 +443,15 @@ def _model_meta(env: Any, cfg: PPOConfig, offset: np.ndarray) -> dict[str, Any]:
             "action_offset": [float(x) for x in offset]}
 
 
-def train(run_config: Mapping[str, Any], log: Any = None) -> TrainResult:
-    """Train PPO from a run configuration (see the module docstring); ``log(metrics_dict)`` per iteration."""
+def train(run_config: Mapping[str, Any], log: Any = None, device: str = "cpu") -> TrainResult:
+    """Train PPO from a run configuration (see the module docstring); ``log(metrics_dict)`` per iteration.
+
+    ``device`` (``auto``, ``cpu``, ``cuda``; :func:`agents.device.resolve_device`): where the model trains (the
+    weights start from the same seeded CPU initialisation everywhere); the returned model is on the CPU.
+    """
+    from agents.device import resolve_device
+
+    dev = resolve_device(device)
     config = read_run_config(run_config)
     cfg = PPOConfig.from_dict(config.get("ppo"))
     run_json = _jsonable(config)  # before any work: a checkpoint must be able to record it
@@ -453,7 +463,7 @@ def train(run_config: Mapping[str, Any], log: Any = None) -> TrainResult:
     offset = probe.params_to_action(probe.default_params)
     meta = _model_meta(probe, cfg, offset)
     probe.close()
-    model = ActorCritic(meta["obs_dim"], meta["act_dim"], cfg.hidden, cfg.init_log_std, offset)
+    model = ActorCritic(meta["obs_dim"], meta["act_dim"], cfg.hidden, cfg.init_log_std, offset).to(dev)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.learning_rate, eps=1e-5)
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -487,8 +497,8 @@ def train(run_config: Mapping[str, Any], log: Any = None) -> TrainResult:
                 log(row)
     finally:
         envs.close()
-    out_config = {"run": run_json, "ppo": cfg.to_dict(), "model": meta}
-    return TrainResult(model=model, metrics=metrics, config=out_config)
+    out_config = {"run": run_json, "ppo": cfg.to_dict(), "model": meta, "device": str(dev)}
+    return TrainResult(model=model.cpu(), metrics=metrics, config=out_config)
 
 
 def _jsonable(x: Any) -> Any:
@@ -543,7 +553,8 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[ActorCritic, dict[str, Any
 
 
 class PPOAgent(BaseAgent):
-    """A trained PPO policy: the deterministic mean action (clipped to the box) unless ``deterministic=False``.
+    """A trained PPO policy: the deterministic mean action (clipped to the box) unless ``deterministic=False``;
+    runs on ``device`` (default the CPU: see :mod:`agents.device`).
 
     Give ``checkpoint`` (a path) or ``model`` (with ``config``, a ``TrainResult.config``, to check the env against).
     With neither, :meth:`reset` builds an untrained model for the env (initialised from ``seed``, default 0),
@@ -553,8 +564,12 @@ class PPOAgent(BaseAgent):
     name = "ppo"
 
     def __init__(self, checkpoint: str | os.PathLike | None = None, model: ActorCritic | None = None,
-                 config: Mapping[str, Any] | None = None, deterministic: bool = True, seed: int | None = None):
+                 config: Mapping[str, Any] | None = None, deterministic: bool = True, seed: int | None = None,
+                 device: str = "cpu"):
         super().__init__()
+        from agents.device import resolve_device
+
+        self.device = resolve_device(device)
         if checkpoint is not None and model is not None:
             raise ValueError("PPOAgent takes a checkpoint (a path) or a model, not both")
         if checkpoint is not None:
@@ -585,6 +600,7 @@ class PPOAgent(BaseAgent):
         names = [p.name for p in env.param_specs]
         if m.get("param_names") not in (None, names):
             raise ValueError(f"PPOAgent: trained for parameters {m['param_names']}, the env has {names}")
+        self.model.to(self.device)
         self._space = env.observation_space
         if env.param_specs:
             env.params_to_action(env.default_params)  # the env then decodes the defaults' action exactly
@@ -595,12 +611,13 @@ class PPOAgent(BaseAgent):
     def act(self, observation: dict[str, np.ndarray], info: dict[str, Any]) -> np.ndarray:
         if self._space is None:
             raise RuntimeError(f"agent {self.name!r}: call reset(env) after env.reset() before act()")
-        x = torch.as_tensor(flatten_obs(self._space, observation)).unsqueeze(0)
+        x = torch.as_tensor(flatten_obs(self._space, observation), device=self.device).unsqueeze(0)
         a = self.model.mean(x) if self.deterministic else self.model.act(x, self._gen)[0]
-        return np.clip(a.squeeze(0).numpy(), -1.0, 1.0).astype(np.float32)
+        return np.clip(a.squeeze(0).cpu().numpy(), -1.0, 1.0).astype(np.float32)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "deterministic": self.deterministic, "model": self.config.get("model", {})}
+        return {"name": self.name, "deterministic": self.deterministic, "device": str(self.device),
+                "model": self.config.get("model", {})}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -632,7 +649,7 @@ def evaluate_trained(result: TrainResult, eval_config: Mapping[str, Any]) -> dic
 
 def run(config_path: str | os.PathLike | Mapping[str, Any], out_dir: str | os.PathLike | None = None,
         overrides: Mapping[str, Any] | None = None, verbose: bool = True,
-        wandb_mode: str | None = None) -> tuple[TrainResult, Path]:
+        wandb_mode: str | None = None, device: str = "cpu") -> tuple[TrainResult, Path]:
     """Train from a config and write ``checkpoint.pt``, ``metrics.json``, ``config.json`` (and ``eval.json``).
 
     Every iteration's metrics also go to a W&B run (job type ``ppo``, stepped on ``global_step``; ``charts/*``,
@@ -670,7 +687,7 @@ def run(config_path: str | os.PathLike | Mapping[str, Any], out_dir: str | os.Pa
         tracking.log(row)
 
     try:
-        result = train(config, log=log_and_track)
+        result = train(config, log=log_and_track, device=device)
         save_checkpoint(out / "checkpoint.pt", result.model, result.config)
         (out / "metrics.json").write_text(json.dumps(result.metrics, indent=1) + "\n")
         (out / "config.json").write_text(json.dumps(result.config, indent=1) + "\n")
@@ -697,6 +714,6 @@ def cmd_ppo(args: argparse.Namespace) -> int:
         overrides["seed"] = args.seed
     path = config_path(args.config)
     config = apply_overrides(read_run_config(path), overrides)
-    _, out = run(config, args.out, wandb_mode="disabled" if args.no_wandb else args.wandb)
+    _, out = run(config, args.out, wandb_mode="disabled" if args.no_wandb else args.wandb, device=args.device)
     print(f"wrote {out / 'checkpoint.pt'}, {out / 'metrics.json'}, {out / 'config.json'}")
     return 0

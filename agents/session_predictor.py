@@ -170,6 +170,16 @@ class SessionPredictor:
         self.mean = torch.zeros(self.in_dim)
         self.std = torch.ones(self.in_dim)
         self.history: list[float] = []
+        self.device = torch.device("cpu")
+
+    def to(self, device: str | torch.device) -> SessionPredictor:
+        """Move the model and its normalisation to ``device`` (``auto``, ``cpu``, ``cuda``: :mod:`agents.device`)."""
+        from agents.device import resolve_device
+
+        self.device = resolve_device(device)
+        self.model.to(self.device)
+        self.mean, self.std = self.mean.to(self.device), self.std.to(self.device)
+        return self
 
     @property
     def n_params(self) -> int:
@@ -197,12 +207,16 @@ class SessionPredictor:
         return out
 
     def _normalise(self, X: np.ndarray) -> torch.Tensor:
-        return (torch.from_numpy(X) - self.mean) / self.std
+        return (torch.from_numpy(X).to(self.device) - self.mean) / self.std
 
     # -- training --------------------------------------------------------------------------------------------
     def fit(self, X: np.ndarray, y: np.ndarray, seed: int = 0, epochs: int = 20, batch_size: int = 128,
-            lr: float = 1e-3, weight_decay: float = 1e-4) -> list[float]:
-        """Train from scratch on raw features ``X`` and labels ``y`` (0/1/2); returns the mean loss per epoch."""
+            lr: float = 1e-3, weight_decay: float = 1e-4, device: str | torch.device | None = None) -> list[float]:
+        """Train from scratch on raw features ``X`` and labels ``y`` (0/1/2); returns the mean loss per epoch.
+
+        ``device`` (default: the predictor's, the CPU unless moved with :meth:`to`): where it trains; the weights
+        start from the same seeded CPU initialisation and batches come in the same seeded order on every device.
+        """
         X = np.asarray(X, dtype=np.float32)
         y = np.asarray(y, dtype=np.int64).ravel()
         if X.ndim != 2 or X.shape[0] != y.size or y.size == 0:
@@ -224,8 +238,9 @@ class SessionPredictor:
             torch.manual_seed(int(seed))
             self.model = _mlp(self.in_dim, self.hidden, N_CLASSES)
             self.mean, self.std = torch.from_numpy(mean), torch.from_numpy(std)
+            self.to(self.device if device is None else device)
             xt = self._normalise(Xp)
-            yt = torch.from_numpy(y)
+            yt = torch.from_numpy(y).to(self.device)
             gen = torch.Generator().manual_seed(int(seed))
             opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
             loss_fn = nn.CrossEntropyLoss()
@@ -233,7 +248,7 @@ class SessionPredictor:
             self.history = []
             n = y.size
             for _ in range(int(epochs)):
-                perm = torch.randperm(n, generator=gen)
+                perm = torch.randperm(n, generator=gen).to(self.device)
                 total = 0.0
                 for a in range(0, n, int(batch_size)):
                     b = perm[a:a + int(batch_size)]
@@ -263,7 +278,7 @@ class SessionPredictor:
         with _OneThread():
             for a in range(0, Xp.shape[0], batch_size):
                 logits = self.model(self._normalise(Xp[a:a + batch_size]))
-                out[a:a + batch_size] = torch.softmax(logits, dim=1).numpy()
+                out[a:a + batch_size] = torch.softmax(logits, dim=1).cpu().numpy()
         return out
 
     def predict_trace(self, trace: Trace, idx: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -285,14 +300,15 @@ class SessionPredictor:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        torch.save({"config": json.dumps(self.config()), "state_dict": self.model.state_dict(),
-                    "mean": self.mean.clone(), "std": self.std.clone()}, tmp)
+        torch.save({"config": json.dumps(self.config()),
+                    "state_dict": {k: v.cpu() for k, v in self.model.state_dict().items()},
+                    "mean": self.mean.cpu().clone(), "std": self.std.cpu().clone()}, tmp)
         os.replace(tmp, path)
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> SessionPredictor:
-        """Read a checkpoint written by :meth:`save` (``weights_only=True``: no arbitrary objects)."""
+    def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu") -> SessionPredictor:
+        """Read a checkpoint written by :meth:`save` (``weights_only=True``: no arbitrary objects) onto ``device``."""
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"{path}: no such checkpoint")
@@ -316,7 +332,7 @@ class SessionPredictor:
         if p.mean.shape != (p.in_dim,) or p.std.shape != (p.in_dim,):
             raise ValueError(f"{path}: normalisation statistics have the wrong shape")
         p.model.eval()
-        return p
+        return p.to(device)
 
 
 class PolicyPredictor:
@@ -397,8 +413,10 @@ def _throughput(pred: SessionPredictor, X: np.ndarray, batch: int, min_s: float 
 
 def train_predictor(traces: Sequence[Trace], out: str | os.PathLike | None, seed: int = 0,
                     val_fraction: float = 0.2, epochs: int = 20, text_dim: int | None = None,
-                    batch_size: int = 128, lr: float = 1e-3, measure_throughput: bool = True) -> dict[str, Any]:
+                    batch_size: int = 128, lr: float = 1e-3, measure_throughput: bool = True,
+                    device: str = "cpu") -> dict[str, Any]:
     """Train on the first requests of ``traces``, evaluate on held-out sessions, write the checkpoint to ``out``.
+    ``device``: where it trains and predicts (``auto``, ``cpu``, ``cuda``; :mod:`agents.device`).
 
     ``text_dim``: width of the text block (default: the traces' text width, else 1536). Returns a JSON-able report
     (module docstring); the checkpoint is trained on the training split only (the reported figures are its own).
@@ -426,7 +444,7 @@ def train_predictor(traces: Sequence[Trace], out: str | os.PathLike | None, seed
     pred = SessionPredictor(text_dim=int(text_dim))
     Xtr, ytr, Xva, yva = data.X[tr_i], data.y[tr_i], data.X[va_i], data.y[va_i]
     t0 = time.perf_counter()
-    history = pred.fit(Xtr, ytr, seed=seed, epochs=epochs, batch_size=batch_size, lr=lr)
+    history = pred.fit(Xtr, ytr, seed=seed, epochs=epochs, batch_size=batch_size, lr=lr, device=device)
     train_s = time.perf_counter() - t0
     proba = pred.predict_proba(Xva)
     majority = int(np.bincount(ytr, minlength=N_CLASSES).argmax())
@@ -434,7 +452,7 @@ def train_predictor(traces: Sequence[Trace], out: str | os.PathLike | None, seed
     # the loss before training: the same seeded initial weights and normalisation that fit() started from
     init = SessionPredictor(text_dim=int(text_dim))
     init.text_trained = pred.text_trained
-    init.mean, init.std = pred.mean, pred.std
+    init.mean, init.std = pred.mean.cpu(), pred.std.cpu()
     with _Deterministic():
         torch.manual_seed(int(seed))
         init.model = _mlp(init.in_dim, init.hidden, N_CLASSES)
@@ -449,6 +467,7 @@ def train_predictor(traces: Sequence[Trace], out: str | os.PathLike | None, seed
         "val_loss": pred.loss(Xva, yva), "val_accuracy": float(np.mean(proba.argmax(axis=1) == yva)),
         "val_majority_class": majority, "val_majority_accuracy": float(np.mean(yva == majority)),
         "val_macro_auc": auc, "val_auc_per_class": per_class, "train_seconds": train_s,
+        "device": str(pred.device),
     }
     if measure_throughput:
         pool = data.X if data.X.shape[0] else np.zeros((1, pred.in_dim), np.float32)
@@ -512,7 +531,8 @@ def cmd_predictor(args: argparse.Namespace) -> int:
         trace, rep = load_input(name, args.source, parse_options(args.opt))
         print(rep, file=sys.stderr)
         traces.append(trace)
-    report = train_predictor(traces, args.out, seed=args.seed, val_fraction=args.val_fraction, epochs=args.epochs)
+    report = train_predictor(traces, args.out, seed=args.seed, val_fraction=args.val_fraction, epochs=args.epochs,
+                             device=args.device)
     track_report(report, Path(args.out), "disabled" if args.no_wandb else args.wandb)
     print(format_report(report))
     if args.json:

@@ -17,7 +17,7 @@ A config names workloads, cache capacities, serving loads, agents and seeds; eve
     seeds: [0]
     reward: hit_rate                 # the env's reward (hit_rate, hit_tokens, neg_ttft)
     reference: saecache              # the report pairs this agent with each other one per seed (default: saecache)
-    ray: {address: null, num_cpus: null, retries: 1}
+    ray: {address: null, num_cpus: null, retries: 1, gpus_per_cell: 0}  # GPUs of a cell with a torch model
     wandb: {mode: offline, project: saecache-gym, entity: null, group: null, dir: null}  # unset: WANDB_* variables
     output: runs
 
@@ -63,8 +63,8 @@ from sae_env.trace import Trace
 from sae_env.tracking import WANDB_MODES
 
 __all__ = ["AgentSpec", "Cell", "CellRunner", "ConfigError", "ExperimentConfig", "ExperimentRun", "RayConfig",
-           "ServingConfig", "WandbConfig", "WorkloadSpec", "expand", "is_ppo_config", "load_config", "load_results",
-           "run_experiment"]
+           "ServingConfig", "WandbConfig", "WorkloadSpec", "cell_uses_gpu", "expand", "is_ppo_config", "load_config",
+           "load_results", "remote_options", "run_experiment"]
 
 GENERATED_SOURCES = frozenset({"synthetic", "mix"})  # sources whose trace comes from a seed
 
@@ -81,6 +81,9 @@ class CellRunner(Protocol):
     unless a preset of that name exists. ``__call__`` returns a JSON-able dict with at least ``summary`` (the keys
     of :func:`sae_env.metrics.summarize`), ``history`` (one dict per window with ``t_start``, ``t_end``,
     ``token_hit_rate``, ``params`` ...) and ``timing`` (wall-clock seconds; excluded from comparisons).
+
+    Optionally ``uses_model(task) -> bool``: whether the cell runs a torch model (a learned agent, the session
+    predictor), so that ``ray.gpus_per_cell`` gives it a GPU share; such a task then carries ``device: cuda``.
     """
 
     kinds: Sequence[str]
@@ -246,11 +249,19 @@ class RayConfig:
     address: str | None = None  # an existing cluster (theirs to configure); None: a private local one
     num_cpus: int | None = None  # CPUs of the local cluster (None: all)
     retries: int = 1  # extra attempts of a failed cell
+    # GPUs requested by each cell that runs a torch model (a fraction shares a GPU), when there are GPUs: on a
+    # machine or cluster without any, every cell runs on the CPU as with 0.
+    gpus_per_cell: float = 0.0
 
     @classmethod
     def from_config(cls, data: Any, where: str = "ray") -> RayConfig:
-        d = _check_keys(data or {}, ("enabled", "address", "num_cpus", "retries"), where)
+        d = _check_keys(data or {}, ("enabled", "address", "num_cpus", "retries", "gpus_per_cell"), where)
         out = cls(**d)
+        g = out.gpus_per_cell
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 <= g <= 1 or float(g).is_integer()
+                                                                          and 1 <= g <= 64):
+            raise ConfigError(f"{where}.gpus_per_cell: expected a GPU fraction in [0, 1] or a whole number of GPUs "
+                              f"(Ray's rule), got {g!r}")
         if not isinstance(out.enabled, bool):
             raise ConfigError(f"{where}.enabled: expected true or false, got {out.enabled!r}")
         if out.address is not None and not (isinstance(out.address, str) and out.address):
@@ -452,6 +463,39 @@ def cell_task(config: ExperimentConfig, cell: Cell) -> dict[str, Any]:
             "serving": config.serving.model, "window": config.window, "reward": config.reward}
 
 
+def cell_uses_gpu(config: ExperimentConfig, runner: CellRunner, task: Mapping[str, Any], gpus: float) -> bool:
+    """Whether a cell gets ``ray.gpus_per_cell`` GPUs: it runs a torch model (the runner's ``uses_model``), the
+    config asks for GPUs, and ``gpus`` (the cluster's, or this machine's for a serial run) is not zero."""
+    uses_model = getattr(runner, "uses_model", None)
+    return config.ray.gpus_per_cell > 0 and gpus > 0 and uses_model is not None and bool(uses_model(task))
+
+
+def remote_options(config: ExperimentConfig, runner: CellRunner, task: Mapping[str, Any],
+                   gpus: float) -> dict[str, Any]:
+    """The Ray options of a cell's task: one CPU, the retries (a raising cell and a dead worker), and
+    ``ray.gpus_per_cell`` GPUs for a cell with a torch model when the cluster has ``gpus`` > 0."""
+    options: dict[str, Any] = {"num_cpus": 1, "max_retries": config.ray.retries, "retry_exceptions": True}
+    if cell_uses_gpu(config, runner, task, gpus):
+        options["num_gpus"] = config.ray.gpus_per_cell
+    return options
+
+
+def _on_device(config: ExperimentConfig, runner: CellRunner, task: dict[str, Any], gpus: float) -> dict[str, Any]:
+    """The task, with ``device: cuda`` when the cell gets a GPU (serially or on Ray alike: same numbers)."""
+    return {**task, "device": "cuda"} if cell_uses_gpu(config, runner, task, gpus) else task
+
+
+def _local_gpus(config: ExperimentConfig) -> int:
+    """CUDA devices of this machine, looked up only when the config asks for GPUs (it imports torch)."""
+    if config.ray.gpus_per_cell <= 0:
+        return 0
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _reusable(config: ExperimentConfig, run_dir: Path, cells: list[Cell]) -> dict[str, dict[str, Any]]:
     """Finished cells of this experiment's other run folders whose task is exactly this config's (same trace spec,
     agent spec, capacity, load, seed, serving, window, reward): adding an agent or a capacity to a config reruns
@@ -647,8 +691,9 @@ def _progress(total: int, initial: int, enabled: bool) -> Any:
 
 def _run_serial(config: ExperimentConfig, runner: CellRunner, todo: list[Cell], traces: dict,
                 finished: Callable[[Cell, dict], None], failures: dict, bar: Any) -> None:
+    gpus = _local_gpus(config)
     for cell in todo:
-        task = cell_task(config, cell)
+        task = _on_device(config, runner, cell_task(config, cell), gpus)
         for attempt in range(1, config.ray.retries + 2):
             try:
                 result = _run_one(runner, task, traces[_trace_key(config, cell)])
@@ -668,13 +713,18 @@ def _run_on_ray(config: ExperimentConfig, runner: CellRunner, todo: list[Cell], 
     from sae_env.ray_local import ray_cluster
 
     with ray_cluster(num_cpus=num_cpus, address=address) as ray:
-        # Retries cover both a raising cell and a dead worker process (OOM, segfault).
-        task_fn = ray.remote(num_cpus=1, max_retries=config.ray.retries, retry_exceptions=True)(_run_one)
+        gpus = float(ray.cluster_resources().get("GPU", 0)) if config.ray.gpus_per_cell > 0 else 0.0
+        if config.ray.gpus_per_cell > 0 and gpus == 0:
+            print("note: ray.gpus_per_cell is set but the cluster has no GPU: every cell runs on the CPU",
+                  file=sys.stderr)
+        task_fn = ray.remote(_run_one)
         runner_ref = ray.put(runner)
         trace_refs = {key: ray.put(trace) for key, trace in traces.items()}  # once each, shared by its cells
         pending = {}
         for cell in todo:
-            ref = task_fn.remote(runner_ref, cell_task(config, cell), trace_refs[_trace_key(config, cell)], True)
+            task = _on_device(config, runner, cell_task(config, cell), gpus)
+            ref = task_fn.options(**remote_options(config, runner, task, gpus)).remote(
+                runner_ref, task, trace_refs[_trace_key(config, cell)], True)
             pending[ref] = cell
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
