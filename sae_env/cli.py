@@ -5,6 +5,7 @@ Subcommands:
   run            run an experiment config (``python train.py`` alone runs configs/quickstart.yaml)
   characterize   the workload study of a trace (reuse by type / app / offset, gap fits)
   replay         replay a trace through one or more policies and print them side by side
+  dashboard      the W&B report of a run folder, as code (spec as JSON; saved to W&B online)
   explain        where one policy loses to Belady: its misses split and explained, beside the partial oracles
 
 Bad input (unknown source or policy, malformed trace, impossible capacity) prints one clear line on stderr and
@@ -14,6 +15,7 @@ exits with status 2; nothing is half-written (outputs are written atomically).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -361,6 +363,42 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    """The W&B report of a run folder as code: the spec as JSON always, the report itself when online."""
+    from sae_env.dashboard import dashboard_spec, panel_keys, save_report
+    from sae_env.tracking import resolve_target
+
+    run_dir = Path(args.run_dir)
+    spec = dashboard_spec(run_dir)
+    w = json.loads((run_dir / "config.json").read_text()).get("wandb") or {}
+    mode = "disabled" if args.no_wandb else args.wandb or w.get("mode")
+    target = resolve_target(mode, args.project or w.get("project"), args.entity or w.get("entity"),
+                            default_dir=run_dir)
+    out = Path(args.out) if args.out else run_dir / "dashboard.json"
+    write_json(out, spec)
+    for section in spec["sections"]:
+        print(section["name"])
+        for grid in section["grids"]:
+            print(f"  {grid['title']}")
+            for panel in grid["panels"]:
+                keys = ", ".join(f"{where}:{key}" for where, key in panel_keys(panel))
+                print(f"    {panel['type']:7s} {panel['title']}: {keys}")
+    print(f"wrote {out}", file=sys.stderr)
+    if target.mode != "online":
+        prog = getattr(args, "prog", "train.py")
+        print(f"W&B mode {target.mode}: the report is built in your W&B project online; upload the runs with "
+              f"`wandb sync {run_dir}/wandb/offline-run-*`, then run `{prog} dashboard {run_dir} --wandb online`",
+              file=sys.stderr)
+        return 0
+    try:
+        url = save_report(spec, target.project, target.entity)
+    except ImportError:
+        raise UsageError("building the W&B report needs the dashboards extra: pip install -e \".[dashboards]\" "
+                         "(wandb-workspaces)") from None
+    print(f"saved the report to W&B project {target.project}: {url}")
+    return 0
+
+
 def _fresh_id(config: Any) -> str:
     return f"{config.results_key()}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -478,6 +516,19 @@ def build_parser(extensions: Sequence[CliExtension] = (), prog: str | None = Non
     r.add_argument("--json", help="write the summary as JSON")
     r.add_argument("--progress", action="store_true", help="show a progress bar")
     r.set_defaults(func=cmd_replay)
+
+    d = sub.add_parser("dashboard", help="the W&B report of a run folder, as code",
+                       description="Build the W&B report of an experiment run (who wins, adaptation over simulated "
+                       "time with phases, learned parameters, TTFT against load) from what its runs log. Writes the "
+                       "spec as JSON (RUN_DIR/dashboard.json) and lists its panels; online it saves the report to "
+                       "your W&B project (wandb-workspaces, the dashboards extra).")
+    d.add_argument("run_dir", metavar="RUN_DIR", help="an experiment run folder, runs/<experiment>/<run-id>")
+    d.add_argument("--out", metavar="FILE", help="where to write the spec (default RUN_DIR/dashboard.json)")
+    d.add_argument("--project", help="W&B project (default: the run's config, else $WANDB_PROJECT, else "
+                   "saecache-gym)")
+    d.add_argument("--entity", help="W&B entity (default: the run's config, else $WANDB_ENTITY, else yours)")
+    add_wandb_options(d)
+    d.set_defaults(func=cmd_dashboard)
     e = sub.add_parser("explain", help="where a policy loses to Belady (misses split, regret, partial oracles)",
                        description="Replay one policy exactly as `replay` does, beside LRU, the partial oracles and "
                        "Belady; split its prompt-block misses into compulsory, capacity and regret (evicted, then "
