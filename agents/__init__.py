@@ -8,6 +8,7 @@ heavy dependencies such as torch load only when it is used).
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from agents.base import Agent, BaseAgent
@@ -23,22 +24,46 @@ AGENTS: dict[str, str] = {
 }
 
 __all__ = ["AGENTS", "Agent", "CellRunner", "BaseAgent", "BaselineAgent", "FixedAgent", "SAEOnlineAgent", "agent_names",
-           "evaluate", "load_params", "make_agent", "make_env", "save_params"]
+           "agent_class", "check_agent_options", "evaluate", "load_params", "make_agent", "make_env", "save_params"]
 
 
 def agent_names() -> list[str]:
     return list(AGENTS)
 
 
-def make_agent(name: str, **options: Any) -> Agent:
-    """Build the named agent, or the class at ``"module:Class"``; unknown names or options raise ValueError."""
-    if name not in AGENTS and ":" not in name:
-        raise ValueError(f"unknown agent '{name}'; valid agents: {', '.join(agent_names())} (or 'module:Class')")
+def agent_class(name: str) -> type[BaseAgent]:
+    """The class of the named agent, or of ``"module:Class"``, checked before anything of it is called.
+
+    A ``module:Class`` name must be a class deriving from :class:`agents.base.BaseAgent` (a config cannot make the
+    runner call ``subprocess:run`` or any other callable); ValueError otherwise, or for an unknown name.
+    """
+    if not isinstance(name, str) or (name not in AGENTS and ":" not in name):
+        raise ValueError(f"unknown agent {name!r}; valid agents: {', '.join(agent_names())} (or 'module:Class')")
     module, cls = AGENTS.get(name, name).split(":", 1)
     try:
         factory = getattr(importlib.import_module(module), cls)
-    except (ImportError, AttributeError) as e:
+    except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"agent '{name}': cannot import {module}:{cls} ({e})") from None
+    if not (inspect.isclass(factory) and issubclass(factory, BaseAgent)):
+        raise ValueError(f"agent '{name}': {module}:{cls} is not an agent class (a 'module:Class' agent must be a "
+                         f"class deriving from agents.base.BaseAgent, got {type(factory).__name__})")
+    return factory
+
+
+def check_agent_options(name: str, options: dict[str, Any]) -> type[BaseAgent]:
+    """:func:`agent_class` plus the options bound to its constructor's signature (nothing is called)."""
+    cls = agent_class(name)
+    try:
+        inspect.signature(cls).bind(**options)
+    except TypeError as e:
+        raise ValueError(f"agent '{name}': bad options {sorted(options)} ({e})") from None
+    return cls
+
+
+def make_agent(name: str, **options: Any) -> Agent:
+    """Build the named agent, or the class at ``"module:Class"`` (see :func:`agent_class`); unknown names or
+    options raise ValueError."""
+    factory = check_agent_options(name, options)
     try:
         return factory(**options)
     except TypeError as e:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from agents.base import BaseAgent
-from sae_env.files import parse_document
+from sae_env.files import parse_document, write_text
 
 __all__ = ["BaselineAgent", "FixedAgent", "load_params", "save_params"]
 
@@ -45,7 +45,7 @@ def load_params(path: str | os.PathLike) -> dict[str, float]:
 def save_params(path: str | os.PathLike, params: Mapping[str, float]) -> Path:
     """Write parameter values as JSON (``{"params": {...}}``), readable by :func:`load_params`."""
     path = Path(path)
-    path.write_text(json.dumps({"params": _check_values(params, "params")}, indent=2, sort_keys=True) + "\n")
+    write_text(path, json.dumps({"params": _check_values(params, "params")}, indent=2, sort_keys=True) + "\n")
     return path
 
 

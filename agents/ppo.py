@@ -63,6 +63,7 @@ from torch import nn
 
 from agents.base import BaseAgent
 from agents.evaluate import evaluate, make_env
+from sae_env.files import atomic_path, write_json
 
 __all__ = ["ActorCritic", "PPOAgent", "PPOConfig", "Rollout", "RolloutState", "TrainResult",
            "collect_rollout", "compute_gae", "flatten_obs", "load_checkpoint", "make_vector_env", "ppo_update",
@@ -520,9 +521,9 @@ def _jsonable(x: Any) -> Any:
 def save_checkpoint(path: str | os.PathLike, model: ActorCritic, config: Mapping[str, Any]) -> Path:
     """Write the model and its JSON-able config (a ``TrainResult.config``)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "config": json.dumps(config),
-                "state_dict": model.state_dict()}, path)
+    with atomic_path(path) as tmp:  # a reader never sees half a checkpoint
+        torch.save({"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "config": json.dumps(config),
+                    "state_dict": model.state_dict()}, tmp)
     return path
 
 
@@ -689,11 +690,11 @@ def run(config_path: str | os.PathLike | Mapping[str, Any], out_dir: str | os.Pa
     try:
         result = train(config, log=log_and_track, device=device)
         save_checkpoint(out / "checkpoint.pt", result.model, result.config)
-        (out / "metrics.json").write_text(json.dumps(result.metrics, indent=1) + "\n")
-        (out / "config.json").write_text(json.dumps(result.config, indent=1) + "\n")
+        write_json(out / "metrics.json", result.metrics, indent=1)
+        write_json(out / "config.json", result.config, indent=1)
         if config.get("eval"):
             ev = evaluate_trained(result, config["eval"])
-            (out / "eval.json").write_text(json.dumps({k: v["summary"] for k, v in ev.items()}, indent=1) + "\n")
+            write_json(out / "eval.json", {k: v["summary"] for k, v in ev.items()}, indent=1)
             tracking.summarize({f"eval/{name}/{k}": x for name, v in ev.items() for k, x in v["summary"].items()})
             if verbose:
                 for name, v in ev.items():

@@ -26,7 +26,6 @@ order, so both give identical results (a test checks it).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -39,6 +38,7 @@ import numpy as np
 from agents.evaluate import evaluate, make_env
 from agents.fixed import FixedAgent, save_params
 from sae_env.env import action_to_values
+from sae_env.files import write_json
 
 __all__ = ["METHODS", "add_cli", "candidate_params", "lower_is_better", "tune_fixed"]
 
@@ -211,9 +211,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     save_params(out, best)
     trials_path = out.with_name(out.stem + ".trials.json")
-    trials_path.write_text(json.dumps({"env": _jsonable(env_config), "n_trials": int(n_trials), "seed": int(seed),
-                                       "method": method, "objective": objective, "wall_s": wall,
-                                       "results": results}, indent=1) + "\n")
+    write_json(trials_path, {"env": _jsonable(env_config), "n_trials": int(n_trials), "seed": int(seed),
+                             "method": method, "objective": objective, "wall_s": wall, "results": results}, indent=1)
     final = [r for r in results if r["rung"] == results[-1]["rung"]]
     top = next(r for r in final if r["params"] == best)
     default = next((r for r in final if r["trial"] == 0), None)

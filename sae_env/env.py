@@ -41,7 +41,7 @@ from sae_env.serving import make_server, scale_to_utilisation
 from sae_env.trace import N_APP_TYPES, N_TOKEN_TYPES, AppType, TokenType, Trace
 
 __all__ = ["DEFAULT_TRACE", "ENV_ID", "REWARDS", "PrefixCacheEnv", "action_to_values", "values_to_action",
-           "latency_summary", "percentile", "window_dict"]
+           "latency_summary", "parse_window", "percentile", "window_dict"]
 
 ENV_ID = "sae_env/PrefixCache-v0"
 REWARDS = ("hit_rate", "hit_tokens", "neg_ttft")
@@ -116,8 +116,8 @@ def _default_trace() -> Trace:
     return _default_trace_cache[0]
 
 
-def _parse_window(window: int | str) -> tuple[int | None, float | None]:
-    """``int`` -> requests per window; ``"30s"`` -> trace seconds per window."""
+def parse_window(window: int | str) -> tuple[int | None, float | None]:
+    """``int`` -> requests per window; ``"30s"`` -> trace seconds per window; ValueError for anything else."""
     if isinstance(window, str):
         text = window.strip().lower()
         try:
@@ -130,8 +130,10 @@ def _parse_window(window: int | str) -> tuple[int | None, float | None]:
         except ValueError:
             raise ValueError(f"window {window!r} is neither a number of requests (e.g. 100) nor seconds "
                              "(e.g. '30s')") from None
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
-        raise ValueError(f"window must be a number of requests >= 1 or a string of seconds ('30s'), got {window!r}")
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or not 1 <= window < 2**63:
+        text = repr(window)
+        raise ValueError(f"window must be a number of requests >= 1 or a string of seconds ('30s'), got "
+                         f"{text if len(text) <= 40 else text[:20] + '...'}")
     return int(window), None
 
 
@@ -260,7 +262,8 @@ class PrefixCacheEnv(gym.Env):
     ``action_to_params`` convert (exactly, for actions the env produced). Parameterless policies (lru, lfu, fifo,
     s3fifo, belady) get ``Box(-1, 1, (1,))`` whose value is ignored (a shape ``(0,)`` Box breaks common tooling).
     Invalid actions: components outside ``[-1, 1]`` (inf included) are clipped, NaN components keep the current
-    value; both are counted in ``info["clipped"]`` (per episode). A wrong shape is a ValueError.
+    value; both are counted in ``info["clipped"]`` (per episode). A wrong shape (a batch of one included) or
+    anything but real numbers (strings, complex numbers, booleans) is a ValueError.
 
     ### Observation Space
     A ``Dict`` of float32 Boxes describing the last window (all zeros after ``reset`` except ``params`` and
@@ -371,7 +374,7 @@ class PrefixCacheEnv(gym.Env):
             raise ValueError(f"capacity must be blocks, a fraction or a string, got {capacity!r}")
         self.capacity = capacity
         self.timed = timed
-        self.window_requests, self.window_seconds = _parse_window(window)
+        self.window_requests, self.window_seconds = parse_window(window)
         self.reward_kind = reward
         self.reward_scale = float(reward_scale)
         self.max_steps = None if max_steps is None else int(max_steps)
@@ -486,12 +489,20 @@ class PrefixCacheEnv(gym.Env):
         return self.params_to_action()
 
     def _apply_action(self, action: Any) -> None:
+        shape = self.action_space.shape
         try:
-            a = np.asarray(action, dtype=np.float64).reshape(-1)
-        except (TypeError, ValueError):
-            raise ValueError(f"action must be numeric with shape {self.action_space.shape}, got {action!r}") from None
-        if a.size != self.action_space.shape[0]:
-            raise ValueError(f"action has shape {np.shape(action)}, the action space {self.action_space.shape}")
+            raw = np.asarray(action)
+        except (TypeError, ValueError):  # ragged nested lists
+            raw = None
+        # Real numbers of exactly the space's shape: numpy would quietly parse strings ("0.5"), drop the imaginary
+        # part of complex numbers or flatten a (1, d) batch, and the replay would go on with something else.
+        if raw is None or raw.dtype.kind not in "iuf":
+            kind = "ragged" if raw is None else f"dtype {raw.dtype}"
+            raise ValueError(f"action must be numeric (real numbers: float or int) with shape {shape}, got {kind}: "
+                             f"{str(action)[:80]}")
+        if raw.shape != shape:
+            raise ValueError(f"action has shape {raw.shape}, the action space {shape}")
+        a = raw.astype(np.float64, copy=False).reshape(-1)
         comps = a.tolist()  # a handful of components: Python floats beat numpy's per-call cost here
         nan = [x != x for x in comps]
         bad = sum(1 for x, n in zip(comps, nan, strict=True) if n or x < -1.0 or x > 1.0)

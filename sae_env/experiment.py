@@ -31,7 +31,11 @@ Running (:func:`run_experiment`): traces are built once per (workload, seed) in 
 object store; cells run as Ray tasks (one CPU each) on a private local cluster (:mod:`sae_env.ray_local`: nothing
 leaves the machine) or on the cluster at ``ray.address``; ``serial=True`` runs them in this process. A finished cell
 is written at once (``cells/<cell-id>.json``, atomic rename), so rerunning the same config resumes: the run folder
-is ``<output>/<name>/<run-id>`` with the run id a hash of everything that decides the results. A cell whose task
+is ``<output>/<name>/<run-id>`` with the run id a hash of everything that decides the results (or a plain name given
+as ``run_id``). One process at a time holds a run folder (:func:`run_lock`). On resuming, a damaged cell file is
+named, moved to ``<run-dir>/aside/`` and computed again, and every finished cell whose W&B run is missing or
+incomplete is logged again (:meth:`sae_env.tracking.Tracker.resume`). Every field of the config is checked before
+any cell runs, capacities against each workload's trace once the traces are built. A cell whose task
 (trace spec, agent spec, capacity, load, seed, serving, window, reward) is identical in another run folder of the
 same experiment is copied from there, so adding an agent or a capacity to a config runs only the new cells. A cell
 that raises is retried ``ray.retries`` times, then reported (``failures.json``, report.md) while the others finish.
@@ -51,14 +55,15 @@ import re
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
 
-from sae_env.files import apply_overrides, read_mapping, resolve_paths, write_json
+from sae_env.files import apply_overrides, read_mapping, resolve_paths, set_aside, write_json, write_text
 from sae_env.trace import Trace
 from sae_env.tracking import WANDB_MODES
 
@@ -67,6 +72,7 @@ __all__ = ["AgentSpec", "Cell", "CellRunner", "ConfigError", "ExperimentConfig",
            "load_results", "remote_options", "run_experiment"]
 
 GENERATED_SOURCES = frozenset({"synthetic", "mix"})  # sources whose trace comes from a seed
+_MAX_CPUS = 65536  # of a local Ray cluster: more is a typo, and Ray would fail deep inside
 
 
 class ConfigError(ValueError):
@@ -210,8 +216,33 @@ class AgentSpec:
         for key in ("options", "policy_options"):
             if not isinstance(d.get(key, {}), Mapping):
                 raise ConfigError(f"{where}.{key}: expected a mapping, got {d[key]!r}")
-        return cls(_name(d.get("name", d["policy"]), f"{where}.name"), d["policy"], str(agent),
+        spec = cls(_name(d.get("name", d["policy"]), f"{where}.name"), d["policy"], str(agent),
                    dict(d.get("options", {})), dict(d.get("policy_options", {})))
+        spec.check(where, runner)
+        return spec
+
+    def check(self, where: str, runner: CellRunner | None) -> None:
+        """What would fail every cell of this agent, found before any runs: the policy built with its options,
+        and the agent checked by the runner (a ``module:Class`` agent must be an agent class; nothing of it is
+        called)."""
+        from sae_env.policies import make_policy
+
+        options = dict(self.policy_options)
+        predictor = options.get("predictor")
+        if isinstance(predictor, str):  # a checkpoint path, loaded by the runner in each cell
+            if not Path(predictor).is_file():
+                raise ConfigError(f"{where}.policy_options.predictor: no such file {predictor}")
+            options["predictor"] = None
+        try:
+            make_policy(self.policy, **options)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"{where}.policy_options: {e}") from None
+        check = getattr(runner, "check_agent", None)
+        if check is not None:
+            try:
+                check(asdict(self))
+            except (ValueError, OSError) as e:
+                raise ConfigError(f"{where}.agent: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -267,8 +298,9 @@ class RayConfig:
         if out.address is not None and not (isinstance(out.address, str) and out.address):
             raise ConfigError(f"{where}.address: expected a string such as 'ray://host:10001', got {out.address!r}")
         if out.num_cpus is not None and (isinstance(out.num_cpus, bool) or not isinstance(out.num_cpus, int)
-                                         or out.num_cpus < 1):
-            raise ConfigError(f"{where}.num_cpus: expected an integer >= 1 or null, got {out.num_cpus!r}")
+                                         or not 1 <= out.num_cpus <= _MAX_CPUS):
+            raise ConfigError(f"{where}.num_cpus: expected an integer >= 1 (at most {_MAX_CPUS}) or null, got "
+                              f"{_short(out.num_cpus)}")
         if isinstance(out.retries, bool) or not isinstance(out.retries, int) or not 0 <= out.retries <= 10:
             raise ConfigError(f"{where}.retries: expected an integer in [0, 10], got {out.retries!r}")
         return out
@@ -339,14 +371,17 @@ class ExperimentConfig:
             _check_capacity(c)
         seeds = tuple(_as_list(d.get("seeds", [0]), "seeds"))
         for s in seeds:
-            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-                raise ConfigError(f"seeds: {s!r} is not an integer >= 0")
+            if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**63:
+                raise ConfigError(f"seeds: {_short(s)} is not an integer >= 0 (and below 2**63)")
         if len(set(seeds)) != len(seeds):
             raise ConfigError(f"seeds: duplicates in {list(seeds)}")
         window = d.get("window", 100)
-        if isinstance(window, bool) or not (isinstance(window, int) and window >= 1 or isinstance(window, str)):
-            raise ConfigError(f"window: expected requests per window (an integer >= 1) or seconds ('30s'), "
-                              f"got {window!r}")
+        try:
+            from sae_env.env import parse_window
+
+            parse_window(window)
+        except ValueError as e:
+            raise ConfigError(f"window: {e}") from None
         reward = d.get("reward", "hit_rate")
         if reward not in REWARDS:
             raise ConfigError(f"reward: {reward!r} is not one of {', '.join(REWARDS)}")
@@ -378,11 +413,21 @@ class ExperimentConfig:
 
 
 def _check_capacity(c: Any) -> None:
-    ok = (not isinstance(c, bool) and isinstance(c, (int, float)) and c > 0 and math.isfinite(c)) or (
-        isinstance(c, str) and c.strip() != "")
-    if not ok:
-        raise ConfigError(f"capacities: {c!r} is not a capacity (blocks as an integer, a fraction of the distinct "
-                          "blocks such as 0.15, '15%', or KV bytes such as '2GiB')")
+    """The form of a capacity (whether it fits a trace is checked once the traces are built)."""
+    from sae_env.cache import resolve_capacity
+
+    try:
+        # Stand-in sizes: any fraction, percentage or byte size parses against them; the real ones come later.
+        resolve_capacity(c, distinct_blocks=2**62, kv_bytes_per_token=1, block_size=1)
+    except ValueError as e:
+        raise ConfigError(f"capacities: {_short(c)} is not a capacity (blocks as an integer, a fraction of the "
+                          f"distinct blocks such as 0.15, '15%', or KV bytes such as '2GiB'): {e}") from None
+
+
+def _short(v: Any) -> str:
+    """``repr`` cut short: a 400-digit number must not fill the error line."""
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
 def is_ppo_config(data: Mapping[str, Any]) -> bool:
@@ -496,7 +541,8 @@ def _local_gpus(config: ExperimentConfig) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _reusable(config: ExperimentConfig, run_dir: Path, cells: list[Cell]) -> dict[str, dict[str, Any]]:
+def _reusable(config: ExperimentConfig, run_dir: Path, cells: list[Cell],
+              log: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
     """Finished cells of this experiment's other run folders whose task is exactly this config's (same trace spec,
     agent spec, capacity, load, seed, serving, window, reward): adding an agent or a capacity to a config reruns
     only the new cells."""
@@ -505,7 +551,7 @@ def _reusable(config: ExperimentConfig, run_dir: Path, cells: list[Cell]) -> dic
     for other in sorted(run_dir.parent.glob("*/cells")):
         if other.parent == run_dir:
             continue
-        for cid, result in load_results(other.parent).items():
+        for cid, result in load_results(other.parent, log).items():
             if cid in wanted and cid not in found and result.get("cell") == wanted[cid]:
                 found[cid] = result
     return found
@@ -533,7 +579,38 @@ class ExperimentRun:
 
 
 def run_dir_for(config: ExperimentConfig, run_id: str | None = None) -> Path:
+    """``<output>/<name>/<run-id>``; a given ``run_id`` must be a plain name (no folders: it stays under
+    ``output``, and the reuse scan reads only this experiment's folders)."""
+    if run_id is not None:
+        _name(run_id, "--run-id")
     return Path(config.output) / config.name / (run_id or config.results_key())
+
+
+class RunFolderBusy(ConfigError):
+    """Another process is running the same run folder."""
+
+
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold the run folder for this process: a second run of the same folder exits at once with a clear message
+    (it would compute every cell again and log every W&B run twice). An OS lock (``flock``) on ``.lock``: it goes
+    away with the process, however it ends, so a killed run never leaves a stale lock."""
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            raise RunFolderBusy(f"{run_dir} is in use by another run of this experiment (process {holder}); wait "
+                                "for it to finish (rerunning then resumes), or give another --run-id") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _write_json(path: Path, obj: Any) -> str:
@@ -552,16 +629,42 @@ def _finite(o: Any) -> Any:
     return o
 
 
-def load_results(run_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """The finished cells of a run folder, by cell id."""
+def load_results(run_dir: str | os.PathLike, log: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
+    """The finished cells of a run folder, by cell id.
+
+    A cell file that is not a cell result (not UTF-8 JSON, not an object, no ``cell.id`` matching its name, no
+    ``summary`` or ``history``: edited by hand, a disk error, a copy) is reported through ``log`` by name, moved
+    aside to ``<run-dir>/aside/cells/`` and left out, so that the cell is computed again.
+    """
     out = {}
     for p in sorted(Path(run_dir, "cells").glob("*.json")):
         try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError:  # cannot happen with atomic writes, unless edited by hand: rerun the cell
+            data = _cell_file(p)
+        except ValueError as e:
+            moved = set_aside(Path(run_dir), p)
+            if log is not None:
+                log(f"warning: damaged cell file {p} ({e}); moved to {moved}; the cell will be computed again")
             continue
         out[data["cell"]["id"]] = data
     return out
+
+
+def _cell_file(path: Path) -> dict[str, Any]:
+    """The result in a cell file; ValueError saying what is wrong with it."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed JSON, line {e.lineno}: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    cell = data.get("cell")
+    if not isinstance(cell, dict) or cell.get("id") != path.stem:
+        raise ValueError(f"'cell.id' must be the file's name {path.stem!r}")
+    if not isinstance(data.get("summary"), dict) or not isinstance(data.get("history"), list):
+        raise ValueError("missing 'summary' or 'history'")
+    return data
 
 
 def _run_one(runner: CellRunner, task: dict[str, Any], trace: Trace, worker: bool = False) -> dict[str, Any]:
@@ -591,17 +694,24 @@ def run_experiment(config: ExperimentConfig, runner: CellRunner, *, serial: bool
     copies identical finished cells from the experiment's other run folders (off: every cell not in this folder is
     computed, e.g. after a code change).
     """
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    run_dir = run_dir_for(config, run_id)
+    with run_lock(run_dir):
+        return _run_locked(config, runner, run_dir, serial=serial, ray_address=ray_address, num_cpus=num_cpus,
+                           wandb_mode=wandb_mode, progress=progress, report=report, reuse=reuse, log=log)
+
+
+def _run_locked(config: ExperimentConfig, runner: CellRunner, run_dir: Path, *, serial: bool | None,
+                ray_address: str | None, num_cpus: int | None, wandb_mode: str | None, progress: bool, report: bool,
+                reuse: bool, log: Callable[[str], None]) -> ExperimentRun:
     from sae_env.tracking import Tracker
 
     t0 = time.perf_counter()
-    log = log or (lambda msg: print(msg, file=sys.stderr))
-    run_dir = run_dir_for(config, run_id)
-    run_dir.mkdir(parents=True, exist_ok=True)
     _write_json(run_dir / "config.json", config.to_dict())
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    write_text(run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
     cells = expand(config)
-    done = {k: v for k, v in load_results(run_dir).items() if k in {c.id for c in cells}}
-    reused = _reusable(config, run_dir, [c for c in cells if c.id not in done]) if reuse else {}
+    done = {k: v for k, v in load_results(run_dir, log).items() if k in {c.id for c in cells}}
+    reused = _reusable(config, run_dir, [c for c in cells if c.id not in done], log) if reuse else {}
     for cid, result in reused.items():
         done[cid] = json.loads(_write_json(run_dir / "cells" / f"{cid}.json", result))
     todo = [c for c in cells if c.id not in done]
@@ -610,6 +720,9 @@ def run_experiment(config: ExperimentConfig, runner: CellRunner, *, serial: bool
     tracker = Tracker(config, run_dir, mode=wandb_mode, log=log)
     results = dict(done)
     failures: dict[str, dict[str, Any]] = {}
+    by_id = {c.id: c for c in cells}
+    # Cells finished earlier (or reused) whose W&B run is missing or was cut short by a kill are logged again.
+    tracker.resume({cid: (by_id[cid], result) for cid, result in done.items()}, [c.id for c in todo])
 
     def finished(cell: Cell, result: dict[str, Any]) -> None:
         # Kept as written (string dict keys, lists): fresh, resumed, serial and Ray results compare equal.
@@ -619,6 +732,7 @@ def run_experiment(config: ExperimentConfig, runner: CellRunner, *, serial: bool
     try:
         if todo:
             traces = _build_traces(config, todo, log)
+            _check_capacities(config, todo, traces)
             use_ray = (config.ray.enabled if serial is None else not serial) or ray_address is not None
             bar = _progress(len(cells), len(done), progress)
             try:
@@ -671,6 +785,27 @@ def _build_traces(config: ExperimentConfig, cells: list[Cell], log: Callable[[st
             f"{trace.distinct_blocks()} distinct")
         traces[key] = trace
     return traces
+
+
+def _check_capacities(config: ExperimentConfig, cells: list[Cell], traces: dict[str, Trace]) -> None:
+    """Every capacity resolved against its workload's trace before any cell runs: one that holds less than a block,
+    or a size in bytes without a timed serving model, would fail every cell of it."""
+    from sae_env.cache import resolve_capacity
+    from sae_env.serving import make_server
+
+    cost = getattr(make_server(config.serving.model), "cost", None)
+    kv_bytes = getattr(getattr(cost, "model", None), "kv_bytes_per_token", None)
+    seen = set()
+    for cell in cells:
+        key = (_trace_key(config, cell), repr(cell.capacity))
+        if key in seen:
+            continue
+        seen.add(key)
+        trace = traces[key[0]]
+        try:
+            resolve_capacity(cell.capacity, trace.distinct_blocks(), kv_bytes, trace.block_size)
+        except ValueError as e:
+            raise ConfigError(f"capacities: {_short(cell.capacity)} on workload {cell.workload!r}: {e}") from None
 
 
 class _NoBar:

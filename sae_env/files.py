@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 __all__ = ["PATH_KEYS", "apply_overrides", "atomic_path", "check_output_file", "json_default", "parse_document",
-           "read_mapping", "relative_to", "resolve_paths", "write_json", "write_text"]
+           "read_mapping", "relative_to", "resolve_paths", "set_aside", "write_json", "write_text"]
 
 
 def check_output_file(path: str | os.PathLike, what: str = "output") -> Path:
@@ -46,6 +47,24 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def set_aside(run_dir: str | os.PathLike, path: str | os.PathLike, under: str | os.PathLike | None = None) -> Path:
+    """Move ``path`` (a damaged or superseded file or folder) to ``<run_dir>/aside/``, at its place relative to
+    ``under`` (default ``run_dir``), never overwriting (a numbered name when taken); returns where it went."""
+    run_dir, path = Path(run_dir), Path(path)
+    try:
+        rel = path.resolve().relative_to(Path(under or run_dir).resolve())
+    except ValueError:
+        rel = Path(path.name)
+    dest = run_dir / "aside" / rel
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while dest.exists():
+        dest = dest.with_name(f"{rel.name}.{n}")
+        n += 1
+    shutil.move(str(path), dest)
+    return dest
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

@@ -12,6 +12,11 @@ with ``strace -f -e trace=connect,sendto``). :func:`ray_cluster` starts one with
   stray ``RAY_ADDRESS`` says (an address with nothing behind it would hang for minutes);
 * a short ``_temp_dir`` under /tmp (Ray's socket paths must stay under 107 bytes; pytest's ``tmp_path`` is too long).
 
+Leftovers: the session folder and the private ``HOME`` (``/tmp/sae-ray-*``, ``/tmp/sae-rayhome-*``) are removed when
+the cluster shuts down, also on SIGTERM (turned into SystemExit while the cluster is up, so that the clean-up runs).
+A SIGKILL leaves them behind; each holds an owner file (pid and start time of the process that made it), and the
+next local cluster removes those whose owner is gone (its Ray processes share its fate and are gone too).
+
 The variables are set for the cluster's whole life (its processes inherit them when they start; the driver reads the
 usage-stats switch later too) and restored, with ``HOME``, when it shuts down. ``HOME`` itself is restored as soon
 as ``ray.init`` returns, and the private folder removed at shutdown.
@@ -35,12 +40,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-__all__ = ["HEAD_ENV", "LOCAL_ENV", "head_node", "ray_cluster"]
+__all__ = ["HEAD_ENV", "LOCAL_ENV", "clean_stale_folders", "head_node", "ray_cluster"]
 
 # The environment a private local cluster starts with (see the module docstring).
 LOCAL_ENV: dict[str, str] = {
@@ -65,7 +72,7 @@ _MAX_TEMP_DIR = 40  # characters: Ray appends ~60 (session_<date>_<pid>/sockets/
 def _private_home() -> str:
     """A fresh folder for ``HOME`` while Ray starts, holding the EMPTY bootstrap config that stops the head's
     cloud-provider probe (see the module docstring)."""
-    home = tempfile.mkdtemp(prefix="rayhome", dir="/tmp")
+    home = _own_folder(_HOME_PREFIX)
     open(os.path.join(home, "ray_bootstrap_config.yaml"), "w").close()
     return home
 
@@ -87,7 +94,7 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None, temp_di
     """Run the body with Ray initialised: a private local cluster (default) or the cluster at ``address``.
 
     ``num_cpus``: CPUs of the local cluster (default: all); ``temp_dir``: Ray's session folder (default: a fresh
-    ``/tmp/rayXXXX``, removed afterwards; a given one must be short, see the module docstring);
+    ``/tmp/sae-ray-XXXX``, removed afterwards; a given one must be short, see the module docstring);
     ``object_store_memory``: bytes (default: Ray's); other keyword arguments go to ``ray.init``. Yields the
     ``ray`` module.
     """
@@ -111,12 +118,14 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None, temp_di
                          "under it would pass the 107-byte limit; use a short path under /tmp")
     if num_cpus is not None and (isinstance(num_cpus, bool) or int(num_cpus) < 1):
         raise ValueError(f"num_cpus must be >= 1, got {num_cpus!r}")
+    clean_stale_folders()
     home = _private_home()
     own_temp = temp_dir is None
-    session_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp") if own_temp else str(temp_dir)
+    session_dir = _own_folder(_SESSION_PREFIX) if own_temp else str(temp_dir)
     old = _set_env({**LOCAL_ENV, "HOME": home})
     started = False
     patched = False
+    old_term = _exit_on_sigterm()
     try:
         import ray  # after the variables: ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at its first import
         from ray._private import ray_constants
@@ -142,6 +151,8 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None, temp_di
         shutil.rmtree(home, ignore_errors=True)
         if own_temp:
             shutil.rmtree(session_dir, ignore_errors=True)
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 _CLIENT_ATTEMPTS = 3
@@ -190,8 +201,9 @@ def head_node(num_cpus: int | None = None, client_port: int | None = None, num_g
     """
     if num_cpus is not None and (isinstance(num_cpus, bool) or int(num_cpus) < 1):
         raise ValueError(f"num_cpus must be >= 1, got {num_cpus!r}")
+    clean_stale_folders()
     home = _private_home()
-    session_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    session_dir = _own_folder(_SESSION_PREFIX)
     client_port = int(client_port) if client_port is not None else _free_port()
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
            f"--port={_free_port()}", f"--ray-client-server-port={client_port}", "--include-dashboard=false",
@@ -235,3 +247,69 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
     except ProcessLookupError:  # the whole group is gone
         pass
     proc.wait()
+
+
+_TMP = "/tmp"
+_SESSION_PREFIX = "sae-ray-"
+_HOME_PREFIX = "sae-rayhome-"
+_OWNER = ".sae-owner"  # "<pid> <start time>" of the process that made the folder
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks after boot, from /proc), or None when it does not exist. With
+    the pid it names a process for good: a pid can be reused, a (pid, start time) pair cannot. Without /proc, "?"
+    for a live pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        if Path("/proc/self/stat").exists():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22 (starttime); the name in (...) may hold spaces
+
+
+def _own_folder(prefix: str) -> str:
+    """A fresh folder under /tmp marked with this process as its owner."""
+    folder = tempfile.mkdtemp(prefix=prefix, dir=_TMP)
+    Path(folder, _OWNER).write_text(f"{os.getpid()} {_process_start(os.getpid())}\n")
+    return folder
+
+
+def clean_stale_folders(tmp: str = _TMP) -> list[str]:
+    """Remove the session and HOME folders of local clusters whose owner process is gone (killed before it could
+    clean up); folders of live processes, and folders not made here, are left alone. Returns the removed paths."""
+    removed = []
+    for folder in Path(tmp).glob(f"{_SESSION_PREFIX[:-1]}*"):
+        if not folder.name.startswith((_SESSION_PREFIX, _HOME_PREFIX)) or not folder.is_dir():
+            continue
+        try:
+            pid, start = Path(folder, _OWNER).read_text().split()
+            alive = _process_start(int(pid))
+        except (OSError, ValueError):
+            continue  # no owner file (not ours, or being made this instant): leave it
+        if alive is None or (alive != start and "?" not in (alive, start)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
+    return removed
+
+
+def _exit_on_sigterm() -> Any:
+    """While the cluster is up, SIGTERM raises SystemExit (so that the clean-up runs) instead of ending the process
+    on the spot; returns the previous handler (None when not installed: not the main thread, or a handler is set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous not in (signal.SIG_DFL, None):
+        return None
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    return previous

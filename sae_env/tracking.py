@@ -35,13 +35,14 @@ import json
 import math
 import os
 import struct
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = ["DEFAULT_PROJECT", "WANDB_MODES", "Tracker", "TrainingRun", "WandbTarget", "init_run", "offline_run_files",
-           "read_offline_run", "resolve_target", "table_columns"]
+           "finish_run", "read_offline_run", "resolve_target", "run_file_status", "run_folders", "table_columns"]
 
 WANDB_MODES = ("offline", "online", "disabled")
 DEFAULT_PROJECT = "saecache-gym"
@@ -104,6 +105,25 @@ def init_run(target: WandbTarget, *, name: str, job_type: str, group: str | None
                       reinit="create_new")
 
 
+def finish_run(run: Any, timeout_s: float = 30.0) -> bool:
+    """``run.finish()``, then wait until the run's file on disk holds W&B's exit record: ``finish`` returns while
+    W&B's service process may still be writing (seen here: a 7-byte file right after ``finish``, complete ~1 s
+    later), and a process killed in that gap would lose the run. True when the file is complete in time."""
+    run.finish()
+    try:
+        folder = Path(run.dir).parent  # <...>/wandb/offline-run-<date>-<id>/files -> the run's folder
+    except Exception:  # noqa: BLE001 - a disabled run has no folder
+        return True
+    if not any(folder.glob("run-*.wandb")):  # nothing is written for this run (disabled mode)
+        return True
+    deadline = time.monotonic() + timeout_s
+    while not run_file_status(folder)["complete"]:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 class Tracker:
     """Logs cells and the summary of an experiment to W&B (see the module docstring)."""
 
@@ -153,6 +173,43 @@ class Tracker:
         """One W&B run for a finished cell: per-window metrics on simulated time, params, phase, totals."""
         self._guard("logging", lambda: self._log_cell(cell, result))
 
+    def resume(self, done: Mapping[str, tuple[Any, Mapping[str, Any]]], todo: Sequence[str] = ()) -> None:
+        """Before new cells run, make the W&B folder hold exactly one complete run per finished cell (``done``:
+        cell id -> (cell, result)): runs cut short by a kill (no exit record) and second copies are moved aside to
+        ``<run-dir>/aside/wandb/``, as are the runs of cells in ``todo`` (they are computed and logged again), and
+        every finished cell without a complete run is logged again. Offline and online runs alike (both keep a
+        ``run-<id>.wandb`` file here); nothing happens when W&B is disabled."""
+        self._guard("resume", lambda: self._resume(done, set(todo)))
+
+    def _resume(self, done: Mapping[str, tuple[Any, Mapping[str, Any]]], todo: set[str]) -> None:
+        from sae_env.files import set_aside
+
+        keep: dict[str, Path] = {}
+        for folder, info in self._own_runs():
+            name = info.get("name")
+            if info["complete"] and name in done and name not in keep and info.get("job_type") != "summary":
+                keep[name] = folder
+            elif not info["complete"] or name in done or name in todo:
+                set_aside(self.run_dir, folder, under=self.target.dir)
+        missing = [cid for cid in done if cid not in keep]
+        if missing:
+            self._log(f"W&B: logging {len(missing)} finished cell(s) again (their runs were missing or incomplete)")
+        for cid in missing:
+            cell, result = done[cid]
+            self._log_cell(cell, result)
+
+    def _own_runs(self) -> list[tuple[Path, dict[str, Any]]]:
+        """This run folder's W&B runs, oldest first: (folder, :func:`run_file_status`). With the runs in the run
+        folder itself every run there is its own; under a shared ``WANDB_DIR`` only those whose config names this
+        run folder (a run being written by another experiment is left alone)."""
+        own_folder = self.target.dir.resolve() == self.run_dir.resolve()
+        out = []
+        for folder in sorted(run_folders(self.target.dir), key=lambda f: f.name.split("run-", 1)[-1]):
+            info = run_file_status(folder)
+            if own_folder or info.get("run_dir") == str(self.run_dir):
+                out.append((folder, info))
+        return out
+
     def _log_cell(self, cell: Any, result: Mapping[str, Any]) -> None:
         from sae_env.report import phase_rows
 
@@ -172,18 +229,23 @@ class Tracker:
                 run.summary.update({f"final/phase/{p['phase']}/{k}": p[k] for k in ("token_hit_rate", "ttft_mean_ms",
                                                                                    "requests") if _is_number(p[k])})
         finally:
-            run.finish()
+            finish_run(run)
 
     def log_summary(self, experiment_run: Any, plots: Sequence[str | Path]) -> None:
         """The summary run: a table of every cell (the rows of summary.csv) and the plots as images."""
         self._guard("summary", lambda: self._log_summary(experiment_run, plots))
 
     def _log_summary(self, experiment_run: Any, plots: Sequence[str | Path]) -> None:
+        from sae_env.files import set_aside
         from sae_env.report import PHASE_COLUMNS, SUMMARY_COLUMNS, phase_rows, summary_rows
 
         wandb = self._module()
         rows = summary_rows(experiment_run.results, [c.id for c in experiment_run.cells])
+        for folder, info in self._own_runs():  # one summary run per run folder: the latest
+            if info.get("job_type") == "summary":
+                set_aside(self.run_dir, folder, under=self.target.dir)
         run = self._init(f"{self.config.name}-summary", "summary", {"experiment": self.config.name,
+                                                                      "run_dir": str(self.run_dir),
                                                                       "cells": len(experiment_run.cells)})
         try:
             if rows:
@@ -201,7 +263,7 @@ class Tracker:
             if images:
                 run.log(images)
         finally:
-            run.finish()
+            finish_run(run)
 
     def close(self) -> None:
         """Wait until every queued run is written (each run is finished where it starts)."""
@@ -266,7 +328,7 @@ class TrainingRun:
     def finish(self) -> None:
         if self.run is not None:
             run = self.run
-            self._try("finish", run.finish)
+            self._try("finish", lambda: finish_run(run))
             self.run = None
 
 
@@ -315,6 +377,43 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 def offline_run_files(run_dir: str | Path) -> list[Path]:
     """The ``run-*.wandb`` files of the offline runs under an experiment's run folder."""
     return sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def run_folders(wandb_parent: str | Path) -> list[Path]:
+    """The run folders (offline and online) under ``<wandb_parent>/wandb``."""
+    base = Path(wandb_parent) / "wandb"
+    return sorted(f for pattern in ("offline-run-*", "run-*") for f in base.glob(pattern) if f.is_dir())
+
+
+def run_file_status(folder: str | Path) -> dict[str, Any]:
+    """What a run folder's ``run-<id>.wandb`` file says about the run: ``name``, ``job_type``, ``run_dir`` (from
+    its config; None when absent) and ``complete`` (the file reads to the end and holds W&B's exit record, written
+    by ``finish``; a run cut short by a kill has none)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    out: dict[str, Any] = {"name": None, "job_type": None, "run_dir": None, "complete": False}
+    files = sorted(Path(folder).glob("run-*.wandb"))
+    if len(files) != 1:
+        return out
+    try:
+        payloads = _records(files[0].read_bytes())
+    except (ValueError, OSError, struct.error):
+        return out
+    for payload in payloads:
+        rec = pb.Record()
+        try:
+            rec.ParseFromString(payload)
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError: a torn record
+            return {**out, "complete": False}
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            out["name"], out["job_type"] = rec.run.display_name, rec.run.job_type
+            for item in rec.run.config.update:
+                if item.key == "run_dir":
+                    out["run_dir"] = json.loads(item.value_json)
+        elif kind == "exit":
+            out["complete"] = True
+    return out
 
 
 def _records(data: bytes) -> list[bytes]:

@@ -321,6 +321,27 @@ def test_invalid_actions_are_clipped_and_counted(tiny):
         lru.step("left")
 
 
+@pytest.mark.parametrize("make_bad, message", [
+    (lambda a: a.astype(str), "dtype <U"),  # numpy would parse "0.5"
+    (lambda a: a.astype(complex) + 1j, "dtype complex"),  # numpy would drop the imaginary part
+    (lambda a: a > 0, "dtype bool"),
+    (lambda a: a[None, :], r"shape \(1, "),  # a batch of one was flattened
+    (lambda a: a[:, None], "shape"),
+    (lambda a: [list(a), [0.0]], "ragged|dtype object"),
+    (lambda a: np.array(list(a), dtype=object), "dtype object"),
+])
+def test_actions_that_are_not_real_numbers_of_the_space_shape_are_rejected(tiny, make_bad, message):
+    """Issue 15: string, complex and wrongly shaped actions were accepted."""
+    env = PrefixCacheEnv(trace=tiny, window=10)
+    env.reset(seed=0)
+    good = env.noop_action()
+    before = env.policy.params
+    with pytest.raises(ValueError, match=message):
+        env.step(make_bad(good))
+    assert env.policy.params == before and env.last_stats is None
+    env.step(list(good.astype(float)))  # a plain list of floats of the right length is fine
+
+
 def test_noop_action_changes_nothing(tiny):
     env = PrefixCacheEnv(trace=tiny, policy="lpc", window=10, policy_options={"tau": 30.0})
     env.reset(seed=0)

@@ -90,11 +90,52 @@ def first_difference(a: object, b: object, path: str = "") -> str | None:
     ({"workloads": [{"name": "x", "trace": "bailian", "reseed": True}]}, "workloads[0].reseed: only generated"),
     ({"workloads": [{"name": "x y", "trace": "bailian"}]}, "workloads[0].name: 'x y' is not a valid name"),
     ({"name": None}, "name: None is not a valid name"),
+    # issue 15: these passed validation and then failed every cell (exit 1), or were tracebacks
+    ({"capacities": ["x"]}, "capacities: 'x' is not a capacity"),
+    ({"capacities": [10**400]}, "capacities: 1000000000"),
+    ({"window": "abc"}, "window: window 'abc' is neither a number of requests"),
+    ({"window": 0}, "window: window must be a number of requests >= 1"),
+    ({"seeds": [10**400]}, "seeds: 10000000000000000000...(401 characters) is not an integer >= 0"),
+    ({"ray": {"num_cpus": 10**400}}, "ray.num_cpus: expected an integer >= 1"),
+    ({"agents": [{"policy": "saecache", "policy_options": {"colour": 1}}]}, "agents[0].policy_options: policy"),
+    ({"agents": [{"policy": "saecache", "policy_options": {"predictor": "/no/such.pt"}}]}, "no such file"),
+    ({"agents": [{"policy": "lru", "agent": "fixed", "options": {"params": "/no/such.json"}}]}, "agents[0].agent:"),
+    ({"agents": [{"policy": "lru", "agent": "fixed", "options": {"colour": 1}}]}, "bad options ['colour']"),
+    ({"agents": [{"policy": "lru", "agent": "collections:OrderedDict"}]}, "is not an agent class"),
+    ({"agents": [{"policy": "lru", "agent": "no_such_module:Agent"}]}, "cannot import no_such_module:Agent"),
+    ({"agents": [{"policy": "lru", "agent": "agents.base:BaseAgent", "options": {"x": 1}}]}, "bad options"),
 ])
 def test_config_errors_name_the_key(tmp_path, change, message):
     with pytest.raises(ConfigError) as e:
         load_config(small(tmp_path, **change), RUNNER)
     assert message in str(e.value)
+
+
+def test_a_config_cannot_call_an_arbitrary_callable(tmp_path, capsys):
+    """Issue 15: ``agent: "subprocess:run", options: {args: [touch, FILE]}`` ran the command, twice (the retry)."""
+    touched = tmp_path / "touched"
+    path = tmp_path / "exp.yaml"
+    path.write_text(json.dumps(small(tmp_path, agents=[{"name": "evil", "policy": "lru", "agent": "subprocess:run",
+                                                        "options": {"args": ["touch", str(touched)]}}])))
+    assert cli_main(["run", "--config", str(path), "--serial", "--no-progress"]) == 2
+    assert "subprocess:run is not an agent class" in capsys.readouterr().err
+    assert not touched.exists() and not (tmp_path / "runs").exists()
+    from agents import make_agent
+
+    with pytest.raises(ValueError, match="not an agent class"):  # the cell runner checks again before calling
+        make_agent("subprocess:run", args=["touch", str(touched)])
+    assert not touched.exists()
+
+
+def test_a_capacity_that_fits_no_trace_fails_before_any_cell(tmp_path, capsys):
+    """A fraction that rounds to no block of a workload's trace is found once the traces are built, before any cell
+    runs (issue 15: --capacity 0.0000001 silently became 1 block)."""
+    path = tmp_path / "exp.yaml"
+    path.write_text(json.dumps(small(tmp_path, capacities=[0.1, 0.0000001])))
+    assert cli_main(["run", "--config", str(path), "--serial", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "on workload 'tiny'" in err and "less than one" in err
+    assert not list((tmp_path / "runs").glob("*/*/cells/*.json"))
 
 
 def test_config_file_errors(tmp_path):

@@ -1,0 +1,61 @@
+"""The private local Ray cluster leaves nothing in /tmp: not at exit, not after SIGTERM, and what a SIGKILL leaves is
+removed by the next cluster (issue 15: a killed Ray run left /tmp/ray* behind). Real clusters in real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from sae_env.ray_local import _own_folder, clean_stale_folders, ray_cluster
+
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = """
+import time
+from sae_env.ray_local import ray_cluster
+with ray_cluster(num_cpus=1):
+    print("up", flush=True)
+    time.sleep(120)
+"""
+
+
+def _driver() -> tuple[subprocess.Popen, list[Path]]:
+    """A process holding a local cluster; returns it and the /tmp folders that are its own."""
+    before = set(Path("/tmp").glob("sae-ray*"))
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout.readline(), "the cluster did not start"
+    own = sorted(p for p in set(Path("/tmp").glob("sae-ray*")) - before
+                 if (p / ".sae-owner").read_text().split()[0] == str(proc.pid))
+    assert len(own) == 2  # the session folder and the private HOME
+    return proc, own
+
+
+def test_sigterm_cleans_up_and_sigkill_leftovers_go_at_the_next_start():
+    proc, own = _driver()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    assert not any(p.exists() for p in own)
+
+    proc, own = _driver()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(1)  # its Ray processes share its fate
+    assert all(p.exists() for p in own)
+    # Folders that are not a dead owner's stay: one of a live process, one without an owner file.
+    live = Path(_own_folder("sae-ray-"))  # owned by this (live) process
+    unowned = Path(tempfile.mkdtemp(prefix="sae-ray-", dir="/tmp"))
+    try:
+        with ray_cluster(num_cpus=1):  # the next start removes the killed run's folders
+            assert not any(p.exists() for p in own)
+            assert live.exists() and unowned.exists()
+        clean_stale_folders()
+        assert live.exists() and unowned.exists()
+    finally:
+        for p in (live, unowned):
+            (p / ".sae-owner").unlink(missing_ok=True)
+            p.rmdir()
