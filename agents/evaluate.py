@@ -115,15 +115,15 @@ class CellRunner:
         spec = cell["agent"]
         return spec["agent"] in self.model_kinds or (spec.get("policy_options") or {}).get("predictor") is not None
 
-    def check_agent(self, spec: Mapping[str, Any]) -> None:
-        """Validate an agent spec before any cell runs (ValueError saying what is wrong): a ``module:Class`` agent
-        must be an agent class and take the options (nothing of it is called); a registered agent is built once
-        with its options (cheap, and it checks their values, e.g. that a params file exists)."""
+    def check_agent(self, spec: Mapping[str, Any], build: bool = False) -> None:
+        """Validate an agent spec (ValueError saying what is wrong): a ``module:Class`` agent must be an agent class
+        and take the options (nothing of it is called). ``build`` (just before the cells run): a registered agent
+        is built once with its options, which checks their values (a params file that exists, ...)."""
         from agents import AGENTS, check_agent_options, make_agent
 
         kind, options = spec["agent"], dict(spec.get("options") or {})
         check_agent_options(kind, options)
-        if kind in AGENTS:
+        if build and kind in AGENTS:
             make_agent(kind, **options)
 
     def __call__(self, cell: Mapping[str, Any], trace: Any) -> dict[str, Any]:

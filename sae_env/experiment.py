@@ -221,16 +221,17 @@ class AgentSpec:
         spec.check(where, runner)
         return spec
 
-    def check(self, where: str, runner: CellRunner | None) -> None:
-        """What would fail every cell of this agent, found before any runs: the policy built with its options,
-        and the agent checked by the runner (a ``module:Class`` agent must be an agent class; nothing of it is
-        called)."""
+    def check(self, where: str, runner: CellRunner | None, files: bool = False) -> None:
+        """What would fail every cell of this agent: the policy built with its options, and the agent checked by
+        the runner (a ``module:Class`` agent must be an agent class taking the options; nothing of it is called).
+        ``files`` (just before the cells run, not when a config is read: a config may name a predictor or a params
+        file still to be made): the files the options name exist, and a registered agent is built once."""
         from sae_env.policies import make_policy
 
         options = dict(self.policy_options)
         predictor = options.get("predictor")
         if isinstance(predictor, str):  # a checkpoint path, loaded by the runner in each cell
-            if not Path(predictor).is_file():
+            if files and not Path(predictor).is_file():
                 raise ConfigError(f"{where}.policy_options.predictor: no such file {predictor}")
             options["predictor"] = None
         try:
@@ -240,7 +241,7 @@ class AgentSpec:
         check = getattr(runner, "check_agent", None)
         if check is not None:
             try:
-                check(asdict(self))
+                check(asdict(self), build=files)
             except (ValueError, OSError) as e:
                 raise ConfigError(f"{where}.agent: {e}") from None
 
@@ -732,7 +733,7 @@ def _run_locked(config: ExperimentConfig, runner: CellRunner, run_dir: Path, *, 
     try:
         if todo:
             traces = _build_traces(config, todo, log)
-            _check_capacities(config, todo, traces)
+            _preflight(config, runner, todo, traces)
             use_ray = (config.ray.enabled if serial is None else not serial) or ray_address is not None
             bar = _progress(len(cells), len(done), progress)
             try:
@@ -787,11 +788,17 @@ def _build_traces(config: ExperimentConfig, cells: list[Cell], log: Callable[[st
     return traces
 
 
-def _check_capacities(config: ExperimentConfig, cells: list[Cell], traces: dict[str, Trace]) -> None:
-    """Every capacity resolved against its workload's trace before any cell runs: one that holds less than a block,
-    or a size in bytes without a timed serving model, would fail every cell of it."""
+def _preflight(config: ExperimentConfig, runner: CellRunner, cells: list[Cell], traces: dict[str, Trace]) -> None:
+    """What would fail every cell of an agent or a capacity, found before any cell runs: the files agents' options
+    name, registered agents built once, and every capacity resolved against its workload's trace (one that holds
+    less than a block, or a size in bytes without a timed serving model)."""
     from sae_env.cache import resolve_capacity
     from sae_env.serving import make_server
+
+    used = {c.agent for c in cells}
+    for i, agent in enumerate(config.agents):
+        if agent.name in used:
+            agent.check(f"agents[{i}]", runner, files=True)
 
     cost = getattr(make_server(config.serving.model), "cost", None)
     kv_bytes = getattr(getattr(cost, "model", None), "kv_bytes_per_token", None)

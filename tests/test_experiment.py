@@ -98,8 +98,6 @@ def first_difference(a: object, b: object, path: str = "") -> str | None:
     ({"seeds": [10**400]}, "seeds: 10000000000000000000...(401 characters) is not an integer >= 0"),
     ({"ray": {"num_cpus": 10**400}}, "ray.num_cpus: expected an integer >= 1"),
     ({"agents": [{"policy": "saecache", "policy_options": {"colour": 1}}]}, "agents[0].policy_options: policy"),
-    ({"agents": [{"policy": "saecache", "policy_options": {"predictor": "/no/such.pt"}}]}, "no such file"),
-    ({"agents": [{"policy": "lru", "agent": "fixed", "options": {"params": "/no/such.json"}}]}, "agents[0].agent:"),
     ({"agents": [{"policy": "lru", "agent": "fixed", "options": {"colour": 1}}]}, "bad options ['colour']"),
     ({"agents": [{"policy": "lru", "agent": "collections:OrderedDict"}]}, "is not an agent class"),
     ({"agents": [{"policy": "lru", "agent": "no_such_module:Agent"}]}, "cannot import no_such_module:Agent"),
@@ -125,6 +123,18 @@ def test_a_config_cannot_call_an_arbitrary_callable(tmp_path, capsys):
     with pytest.raises(ValueError, match="not an agent class"):  # the cell runner checks again before calling
         make_agent("subprocess:run", args=["touch", str(touched)])
     assert not touched.exists()
+
+
+@pytest.mark.parametrize("agent, message", [
+    ({"name": "p", "policy": "saecache", "policy_options": {"predictor": "/no/such.pt"}}, "predictor: no such file"),
+    ({"name": "f", "policy": "lru", "agent": "fixed", "options": {"params": "/no/such.json"}}, "agents[1].agent:"),
+])
+def test_files_that_agents_name_are_checked_before_any_cell(tmp_path, capsys, agent, message):
+    """A config may name a file still to be made (it loads); the run checks it before any cell runs."""
+    config = load_config(small(tmp_path, agents=["lru", agent], seeds=[0]), RUNNER)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        run_experiment(config, RUNNER, serial=True, progress=False, log=lambda m: None)
+    assert not list((tmp_path / "runs").glob("*/*/cells/*.json"))
 
 
 def test_a_capacity_that_fits_no_trace_fails_before_any_cell(tmp_path, capsys):
