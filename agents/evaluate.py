@@ -7,7 +7,9 @@ the loop of :mod:`agents.base` once from ``env.reset(seed=seed)`` and returns
   window), ``action`` (as received) and ``clipped`` (invalid action components so far);
 * ``summary``: :func:`sae_env.metrics.summarize` over the windows plus ``agent``, ``episode_reward``, ``steps``,
   ``terminated``, ``truncated``, ``clipped``, ``final_params`` (in effect during the last window),
-  ``distinct_blocks``, ``trace_requests``, ``segment_start``, ``oracle``, ``serving``, ``reward_kind``;
+  ``distinct_blocks``, ``trace_requests``, ``segment_start``, ``oracle``, ``serving``, ``reward_kind`` and
+  ``compulsory_misses`` (prompt blocks served whose key no earlier request holds: misses for every policy,
+  :func:`sae_env.explain.first_references`);
 * ``ttft_quantiles_ms``: the 0th, 1st, ..., 100th percentiles of every request's TTFT (timed serving only; a
   CDF in 101 numbers);
 * ``timing``: wall-clock seconds (``replay_s``, ``total_s``): the only non-deterministic values, kept apart so
@@ -28,6 +30,7 @@ import numpy as np
 
 from agents.base import Agent
 from sae_env.env import PrefixCacheEnv
+from sae_env.explain import first_references
 from sae_env.metrics import summarize
 
 __all__ = ["CellRunner", "evaluate", "make_env"]
@@ -71,10 +74,17 @@ def evaluate(agent: Agent, env_config: Mapping[str, Any] | None = None, seed: in
                    final_params=env.params, distinct_blocks=env.trace.distinct_blocks(),
                    trace_requests=len(env.trace), segment_start=env.segment_start, oracle=env.policy.oracle,
                    serving=env.serving if isinstance(env.serving, str) else dict(env.serving),
-                   reward_kind=env.reward_kind)
+                   reward_kind=env.reward_kind,
+                   compulsory_misses=_compulsory(replay, env.cache_outputs))
     env.close()
     return {"history": history, "summary": summary, "ttft_quantiles_ms": quantiles,
             "timing": {"replay_s": replay.wall_s, "total_s": time.perf_counter() - t0}}
+
+
+def _compulsory(replay: Any, cache_outputs: bool) -> int:
+    """First references among the prompt blocks the replay served (all of them unless the episode was cut)."""
+    trace = replay.trace
+    return int(first_references(trace, cache_outputs)[:trace.prompt_offsets[replay.next_request]].sum())
 
 
 # Per-window keys kept in an experiment's result files (the rest of WindowStats.to_dict stays in memory).

@@ -368,8 +368,8 @@ def plot_gap_bar(result: Mapping[str, Any], path: str | Path) -> Path:
     for r in rows:  # policies with the same rate share one mark
         by_rate.setdefault(round(100 * r["token_hit_rate"], 6), []).append(r)
     rates = sorted(by_rate)
-    top = max(rates) if rates else 1.0
-    fig = Figure(figsize=(9.0, 2.9))
+    right = min(100.0, max(rates) * 1.12 + 1)
+    fig = Figure(figsize=(9.0, 3.4))
     ax = fig.add_subplot()
     lru = next(100 * r["token_hit_rate"] for r in rows if r["policy"] == "lru")
     ax.barh(0, lru, height=0.5, color="#d9d9d9")
@@ -378,18 +378,27 @@ def plot_gap_bar(result: Mapping[str, Any], path: str | Path) -> Path:
     for i, v in enumerate(x for x in rates if x > lru):
         ax.barh(0, v - prev, left=prev, height=0.5, color=colors[i % len(colors)])
         prev = v
-    for i, v in enumerate(rates):
+    # Labels in lanes above and below the bar: a label takes the first lane whose last label ends left of it.
+    lanes = [(1, 0), (-1, 0), (1, 1), (-1, 1), (1, 2), (-1, 2)]
+    lane_end = dict.fromkeys(lanes, -math.inf)
+    top = 0.0
+    for v in rates:
         names = " = ".join(r["policy"] for r in by_rate[v])
         share = by_rate[v][0]["gap_share"]
         text = f"{names}\n{v:.2f} %" + ("" if share is None else f" ({100 * share:.0f} % of gap)")
+        half = 0.5 * 0.0105 * right * max(len(line) for line in text.splitlines())  # ~ half the label's width
+        lane = next((ln for ln in lanes if lane_end[ln] < v - half), lanes[-1])
+        lane_end[lane] = v + half
+        side, tier = lane
+        y = side * (0.45 + 0.6 * tier)
+        top = max(top, abs(y))
         is_x = any(r["policy"] == result["policy"] for r in by_rate[v])
-        up = i % 2 == 0
         ax.plot([v, v], [-0.3, 0.3], color="#c8443c" if is_x else "black", lw=2.5 if is_x else 1.2)
-        ax.annotate(text, (v, 0.3 if up else -0.3), xytext=(0, 6 if up else -6), textcoords="offset points",
-                    ha="center", va="bottom" if up else "top", fontsize=8,
+        ax.plot([v, v], [side * 0.3, y], color="#999999", lw=0.6)
+        ax.annotate(text, (v, y), ha="center", va="bottom" if side > 0 else "top", fontsize=8,
                     fontweight="bold" if is_x else "normal")
-    ax.set_xlim(0, min(100.0, top * 1.12 + 1))
-    ax.set_ylim(-1.3, 1.3)
+    ax.set_xlim(0, right)
+    ax.set_ylim(-top - 0.75, top + 0.75)  # room for two lines of label beyond the outermost lane
     ax.set_yticks([])
     ax.set_xlabel("token hit rate (%)   grey: LRU's hits; blue: the LRU-to-Belady gap, cut at each policy")
     ax.set_title(_explain_title(result, "Hit rate from LRU to Belady"), fontsize=10)

@@ -12,6 +12,13 @@ config has it) with every other agent of the group: per seed, reference minus ag
 mean and p99 in ms) and the TTFT ratio agent / reference (above 1: the reference is faster), as means over the
 seeds with their 95 % intervals, and the seeds on which the reference did better. ``paired.csv`` holds the same
 numbers, one row per (group, agent, metric).
+
+The **gap analysis** section, one table per group: each agent's share of the LRU-to-Belady gap (``(h - h_lru) /
+(h_belady - h_lru)`` in token hit rate, per seed against the ``lru`` and ``belady`` agents of the same seed; needs
+both in the config) and its prompt-block misses split into compulsory, capacity and regret, in % of the prompt
+blocks (definitions in :mod:`sae_env.explain`; ``python train.py explain`` breaks one cell down further). The split
+comes from each cell's summary: ``compulsory_misses`` and the misses after eviction on prompt blocks (cells written
+before those counts existed show ``-``).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from sae_env.explain import gap_share, prompt_regret
 from sae_env.files import atomic_path, write_text
 from sae_env.intervals import Interval, mean_interval, paired_difference, paired_ratio
 
@@ -36,17 +44,31 @@ PAIRED_METRICS = (("token_hit_rate_pp", "token_hit_rate", "difference"), ("ttft_
                   ("ttft_mean_ratio", "ttft_mean_ms", "ratio"))
 SUMMARY_COLUMNS = ("cell", "workload", "capacity", "capacity_blocks", "load", "agent", "policy", "agent_kind",
                    "seed", "requests", "token_hit_rate", "block_hit_rate", "gap_to_belady_pp", "ttft_mean_ms",
-                   "ttft_p50_ms", "ttft_p99_ms", "evictions", "bypasses", "miss_after_eviction", "replay_s")
+                   "ttft_p50_ms", "ttft_p99_ms", "evictions", "bypasses", "miss_after_eviction", "gap_share",
+                   "prompt_blocks", "compulsory_misses", "capacity_misses", "regret_misses", "replay_s")
 
 
 def _belady_key(cell: Mapping[str, Any]) -> tuple:
     return cell["workload"], str(cell["capacity"]), cell["load"], cell["seed"]
 
 
+def _miss_split(s: Mapping[str, Any]) -> dict[str, int | None]:
+    """Prompt blocks and the miss classes of a cell's summary (None where the summary lacks the counts)."""
+    regret, compulsory = prompt_regret(s), s.get("compulsory_misses")
+    misses = s["prompt_blocks"] - s["hit_blocks"] if "prompt_blocks" in s else None
+    known = None not in (regret, compulsory, misses)
+    return {"prompt_blocks": s.get("prompt_blocks"), "compulsory_misses": compulsory,
+            "capacity_misses": misses - compulsory - regret if known else None,
+            "regret_misses": regret if known else None}
+
+
 def summary_rows(results: Mapping[str, Mapping[str, Any]], order: Iterable[str]) -> list[dict[str, Any]]:
     """One dict per finished cell (in ``order``, the experiment's cell order) with :data:`SUMMARY_COLUMNS`."""
-    oracle = {_belady_key(r["cell"]): r["summary"]["token_hit_rate"] for r in results.values()
-              if r["cell"]["agent"]["policy"] == "belady"}
+    def rates(policy: str) -> dict[tuple, float]:
+        return {_belady_key(r["cell"]): r["summary"]["token_hit_rate"] for r in results.values()
+                if r["cell"]["agent"]["policy"] == policy}
+
+    oracle, lru = rates("belady"), rates("lru")
     rows = []
     for cid in order:
         if cid not in results:
@@ -63,6 +85,7 @@ def summary_rows(results: Mapping[str, Mapping[str, Any]], order: Iterable[str])
             "ttft_mean_ms": s.get("ttft_mean_ms"), "ttft_p50_ms": s.get("ttft_p50_ms"),
             "ttft_p99_ms": s.get("ttft_p99_ms"), "evictions": s["evictions"], "bypasses": s["bypasses"],
             "miss_after_eviction": s.get("miss_after_eviction"),
+            "gap_share": gap_share(s["token_hit_rate"], lru.get(_belady_key(c)), best), **_miss_split(s),
             "replay_s": r.get("timing", {}).get("replay_s"),
         })
     return rows
@@ -226,6 +249,33 @@ def _paired_table(paired: list[dict[str, Any]], reference: str, timed: bool) -> 
     return lines + [""]
 
 
+def _per_block(row: Mapping[str, Any], key: str) -> float | None:
+    """``row[key]`` as a fraction of the cell's prompt blocks (None when unknown)."""
+    return None if row[key] is None or not row["prompt_blocks"] else row[key] / row["prompt_blocks"]
+
+
+def _gap_section(by_group: Mapping[tuple, list[dict[str, Any]]]) -> list[str]:
+    """Per group: each agent's share of the LRU-to-Belady gap and its miss split (% of prompt blocks)."""
+    classes = ("compulsory_misses", "capacity_misses", "regret_misses")
+    lines = ["## Gap analysis", "",
+             "Share of the LRU-to-Belady gap in token hit rate (0 % = LRU, 100 % = Belady; needs both agents) and "
+             "the prompt-block misses split into compulsory (first reference of the key), capacity and regret "
+             "(evicted, then missed while the ghost record held it), in % of the prompt blocks; "
+             "`python train.py explain` breaks one cell down by type, queue, turn, depth and idle time.", ""]
+    for (workload, capacity, load), group in by_group.items():
+        lines += [f"### {workload}, capacity {capacity}" + ("" if load is None else f", load {load}"), "",
+                  "| agent | gap share % | misses % | compulsory % | capacity % | regret % |",
+                  "|---|---|---|---|---|---|"]
+        for a in dict.fromkeys(r["agent"] for r in group):
+            rs = [r for r in group if r["agent"] == a]
+            misses = [None if r["regret_misses"] is None else 1.0 - r["block_hit_rate"] for r in rs]
+            values = [[r["gap_share"] for r in rs], misses] + [[_per_block(r, k) for r in rs] for k in classes]
+            cols = [a] + [_fmt(mean_interval(v), 100.0, 1) for v in values]
+            lines.append("| " + " | ".join(cols) + " |")
+        lines.append("")
+    return lines
+
+
 def _markdown(run: Any, rows: list[dict[str, Any]], paired: list[dict[str, Any]], plots: list[Path]) -> str:
     config = run.config
     lines = [f"# {config.name}", ""]
@@ -282,6 +332,7 @@ def _markdown(run: Any, rows: list[dict[str, Any]], paired: list[dict[str, Any]]
         lines.append("")
         if reference is not None:
             lines += _paired_table(paired_by_group.get((workload, capacity, load), []), reference, timed)
+    lines += _gap_section(by_group)
     if run.failures:
         lines += ["## Failed cells", ""]
         for cid, f in run.failures.items():

@@ -223,3 +223,62 @@ def test_write_outputs_and_table(tmp_path):
     with pytest.raises(ValueError, match="belady"):
         explain(trace, "lpc", 2, references=("lru",))
     assert np.isclose(sum(p["gap_share"] is not None for p in r["policies"]), len(r["policies"]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The experiment report's gap section
+
+
+def test_report_gap_section_agrees_with_explain(tmp_path):
+    """A serial run of the oracles as agents (instant serving): summary.csv and report.md carry each agent's gap
+    share and miss split, the classes add up to the misses, and they equal explain's on the same trace (the cells
+    replay LRU on the compiled engine, explain on the Python one with its observer)."""
+    import csv
+
+    from agents.evaluate import CellRunner
+    from sae_env.experiment import load_config, run_experiment
+    from sae_env.sources import trace_from_spec
+
+    spec = {"source": "synthetic", "preset": "tiny", "seed": 3}
+    agents = ["lru", "session-oracle", "reuse-oracle", "belady"]
+    runner = CellRunner()
+    config = load_config({"name": "gap", "workloads": [{"name": "tiny", "trace": spec}], "capacities": [0.1],
+                          "agents": agents, "serving": "instant", "window": 50, "seeds": [0],
+                          "wandb": {"mode": "disabled"}, "output": str(tmp_path / "runs")}, runner)
+    run = run_experiment(config, runner, serial=True, progress=False, log=lambda m: None)
+    with (run.run_dir / "summary.csv").open() as f:
+        rows = {r["agent"]: r for r in csv.DictReader(f)}
+    assert set(rows) == set(agents)
+    for r in rows.values():
+        misses = int(r["prompt_blocks"]) - round(float(r["block_hit_rate"]) * int(r["prompt_blocks"]))
+        assert int(r["compulsory_misses"]) + int(r["capacity_misses"]) + int(r["regret_misses"]) == misses
+    assert float(rows["lru"]["gap_share"]) == 0.0 and float(rows["belady"]["gap_share"]) == 1.0
+    trace, _ = trace_from_spec(spec)
+    capacity = int(rows["lru"]["capacity_blocks"])
+    explained = {p["policy"]: p for p in explain(trace, "lru", capacity, window=50)["policies"]}
+    for a in agents:
+        got = (int(rows[a]["compulsory_misses"]), int(rows[a]["capacity_misses"]), int(rows[a]["regret_misses"]))
+        assert got == (explained[a]["compulsory"], explained[a]["capacity"], explained[a]["regret"]), a
+    report = (run.run_dir / "report.md").read_text()
+    section = report.split("## Gap analysis")[1]
+    assert "| lru | 0.0 |" in section and "| belady | 100.0 |" in section
+    share = 100 * explained["reuse-oracle"]["gap_share"]
+    assert f"| reuse-oracle | {share:.1f} |" in section
+
+
+def test_gap_table_script_runs():
+    """benchmarks/gap_table.py on the smallest embedded trace: one row per capacity, LRU at 0 % and Belady at 100 %
+    of the gap; a policy list without belady exits with status 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gap_table.py"
+    out = subprocess.run([sys.executable, str(script), "--traces", "bailian", "--capacities", "0.2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith("| bailian")]
+    assert "(0 %)" in row.split("|")[4] and row.rstrip(" |").endswith("(100 %)")
+    bad = subprocess.run([sys.executable, str(script), "--policies", "lru,lpc"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "belady" in bad.stderr
