@@ -23,6 +23,8 @@ seed of the config (``_representative``):
 - ``ttft_vs_load.png``: TTFT mean and p99 against load, one line per agent (only with several loads), with the 95 %
   confidence bands over seeds;
 - ``ttft_cdf.png``: the CDF of every request's TTFT, one curve per agent, a panel per workload (timed serving);
+- ``paired.png``: the reference agent paired with each other agent on the same seeds: token hit rate difference
+  and TTFT ratio (timed serving), means with 95 % bands, against load or capacity, a column per workload;
 - ``hit_rate_over_time.png``: windowed token hit rate over simulated time, one line per agent, phases shaded;
 - ``params_<workload>_<agent>.png``: an adaptive agent's parameters over time (alpha per queue, type weights,
   mu / sigma, gamma for SAECache; any other parameters in a last panel), phases shaded.
@@ -54,9 +56,9 @@ from sae_env.files import atomic_path
 from sae_env.intervals import mean_interval
 
 __all__ = ["plot_belady_keeps", "plot_gap_bar", "plot_gap_histograms", "plot_hit_by_offset",
-           "plot_hit_rate_over_time", "plot_hit_rate_vs_capacity", "plot_miss_split", "plot_param_trajectories",
-           "plot_regret_breakdown", "plot_reuse_by_app", "plot_reuse_by_token_type", "plot_ttft_cdf",
-           "plot_ttft_vs_load"]
+           "plot_hit_rate_over_time", "plot_hit_rate_vs_capacity", "plot_miss_split", "plot_paired",
+           "plot_param_trajectories", "plot_regret_breakdown", "plot_reuse_by_app", "plot_reuse_by_token_type",
+           "plot_ttft_cdf", "plot_ttft_vs_load"]
 
 _DPI = 110
 
@@ -234,6 +236,55 @@ def plot_ttft_vs_load(rows: list[Mapping[str, Any]], path: str | Path) -> Path |
         ax.set_title(f"{w}: TTFT vs load")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=6, ncol=2)
+    return _save(fig, Path(path))
+
+
+_PAIRED_PANELS = (("token_hit_rate_pp", "token hit rate difference (pp)", 0.0),
+                  ("ttft_mean_ratio", "TTFT mean ratio (agent / reference)", 1.0))
+
+
+def plot_paired(paired: list[Mapping[str, Any]], path: str | Path) -> Path | None:
+    """The reference agent paired with each other agent per seed (:func:`sae_env.report.paired_rows`): its token hit
+    rate difference and the TTFT ratio, mean with 95 % band, against load (several loads) or capacity; a column per
+    workload. None without paired rows."""
+    if not paired:
+        return None
+    workloads = list(dict.fromkeys(p["workload"] for p in paired))
+    metrics = [m for m in _PAIRED_PANELS if any(p["metric"] == m[0] for p in paired)]
+    fig = Figure(figsize=(5.2 * len(workloads), 3.4 * len(metrics)), layout="constrained")
+    axes = fig.subplots(len(metrics), len(workloads), squeeze=False)
+    reference = paired[0]["reference"]
+    for col, w in enumerate(workloads):
+        rows = [p for p in paired if p["workload"] == w]
+        loads = sorted({p["load"] for p in rows if p["load"] is not None})
+        by_load = len(loads) > 1
+        caps = list(dict.fromkeys(str(p["capacity"]) for p in rows))
+        for row, (metric, label, level) in enumerate(metrics):
+            ax = axes[row][col]
+            for i, agent in enumerate(dict.fromkeys(p["agent"] for p in rows)):
+                pts = [p for p in rows if p["agent"] == agent and p["metric"] == metric]
+                if by_load:  # the first capacity, per load
+                    pts = sorted((p for p in pts if str(p["capacity"]) == caps[0]), key=lambda p: p["load"])
+                    xs = [p["load"] for p in pts]
+                else:
+                    xs = [caps.index(str(p["capacity"])) for p in pts]
+                color = f"C{i % 10}"
+                ax.plot(xs, [p["mean"] for p in pts], "o-", color=color, label=agent)
+                if any(p["low"] is not None for p in pts):
+                    ax.fill_between(xs, [np.nan if p["low"] is None else p["low"] for p in pts],
+                                    [np.nan if p["high"] is None else p["high"] for p in pts], color=color,
+                                    alpha=0.18, lw=0)
+            ax.axhline(level, color="0.4", lw=0.8, ls=":")
+            if by_load:
+                ax.set_xlabel(f"load (capacity {caps[0]})")
+            else:
+                ax.set_xticks(range(len(caps)), caps)
+                ax.set_xlabel("capacity")
+            ax.set_ylabel(label.replace("reference", reference) if metric == "ttft_mean_ratio"
+                          else f"{reference} − agent: {label}", fontsize=8)
+            ax.set_title(f"{w}: {reference} paired per seed", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
     return _save(fig, Path(path))
 
 

@@ -300,8 +300,9 @@ def _markdown(run: Any, rows: list[dict[str, Any]], paired: list[dict[str, Any]]
         paired_by_group[(p["workload"], str(p["capacity"]), p["load"])].append(p)
     results_by_cell = run.results
     for (workload, capacity, load), group in by_group.items():
-        blocks = group[0]["capacity_blocks"]
-        title = f"## {workload}, capacity {capacity} ({blocks} blocks)" + ("" if load is None else f", load {load}")
+        sizes = sorted({r["capacity_blocks"] for r in group})  # a fraction of each seed's own trace
+        blocks = f"{sizes[0]} blocks" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]} blocks over seeds"
+        title = f"## {workload}, capacity {capacity} ({blocks})" + ("" if load is None else f", load {load}")
         lines += [title, ""]
         agents = list(dict.fromkeys(r["agent"] for r in group))
         phase_names: list[str] = []
@@ -363,6 +364,7 @@ def write_report(run: Any) -> list[Path]:
         results = [run.results[r["cell"]] for r in rows]
         figures += [p for p in (P.plot_hit_rate_vs_capacity(rows, out / "plots" / "hit_rate_vs_capacity.png"),
                                 P.plot_ttft_vs_load(rows, out / "plots" / "ttft_vs_load.png"),
+                                P.plot_paired(paired, out / "plots" / "paired.png"),
                                 P.plot_ttft_cdf(results, out / "plots" / "ttft_cdf.png"),
                                 P.plot_hit_rate_over_time(results, out / "plots" / "hit_rate_over_time.png"))
                     if p is not None]

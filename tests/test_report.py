@@ -52,7 +52,7 @@ def summary(run) -> list[dict]:
 
 def section(report: str, capacity: str, load: str) -> str:
     (text,) = [part for part in report.split("\n## ")
-               if re.match(rf"tiny, capacity {capacity} \(\d+ blocks\), load {load}\n", part)]
+               if re.match(rf"tiny, capacity {capacity} \(\d+(-\d+)? blocks( over seeds)?\), load {load}\n", part)]
     return text
 
 
@@ -117,7 +117,9 @@ def test_paired_differences_match_scipys_paired_t_test(run):
 
 
 def test_plots_draw_the_intervals_as_bands(run):
-    assert (run.run_dir / "plots" / "ttft_vs_load.png").stat().st_size > 5000
+    for name in ("ttft_vs_load.png", "hit_rate_vs_capacity.png", "paired.png"):
+        assert (run.run_dir / "plots" / name).stat().st_size > 5000
+    assert "over seeds)" in (run.run_dir / "report.md").read_text()  # each seed's trace has its own size
     ax = Figure().add_subplot()
     per_x = [[1.0, 2.0, 3.0], [2.0, 2.5, 4.0], [5.0]]
     _line_with_band(ax, [0.5, 0.7, 0.9], per_x, "o-", "C0", "x")
