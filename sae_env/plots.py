@@ -528,7 +528,8 @@ def plot_belady_keeps(result: Mapping[str, Any], path: str | Path) -> Path:
         ax.set_xticks(x, [r["bucket"] for r in rows], rotation=30, fontsize=7, ha="right")
         ax.set_title(f"by {title}", fontsize=9)
         ax.set_ylabel("prompt blocks", fontsize=8)
+        ax.set_ylim(0, 1.3 * max([r["misses_seen_before"] for r in rows] + [1]))  # headroom for the legend
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper right")
     fig.suptitle(_explain_title(result, "Blocks Belady keeps that the policy evicts"), fontsize=9)
     return _save(fig, Path(path))

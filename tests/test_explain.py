@@ -282,3 +282,18 @@ def test_gap_table_script_runs():
     bad = subprocess.run([sys.executable, str(script), "--policies", "lru,lpc"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "belady" in bad.stderr
+
+
+def test_explain_a_trace_file_in_timed_mode(tmp_path, capsys):
+    """A trace file (--source, as for replay) with a serving model: the output folder is complete and the default
+    folder name comes from the file's name."""
+    from agents.cli import main
+    from sae_env.sources import trace_from_spec
+
+    trace, _ = trace_from_spec({"source": "synthetic", "preset": "tiny", "seed": 1})
+    path = trace.save(tmp_path / "tiny.jsonl")
+    assert main(["explain", "--trace", str(path), "--source", "trace", "--policy", "lpc", "--capacity", "0.1",
+                 "--serving", SERVER, "--window", "50", "--out", str(tmp_path / "out")]) == 0
+    result = json.loads((tmp_path / "out" / "explain.json").read_text())
+    assert result["serving"] == SERVER and result["trace"] == "tiny" and result["requests"] == len(trace)
+    assert "lpc on tiny" in capsys.readouterr().out

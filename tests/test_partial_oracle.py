@@ -264,10 +264,16 @@ EMBEDDED = ("wildchat", "mooncake_arxiv", "mooncake_synthetic", "taubench", "bai
 def embedded_traces():
     from sae_env.sources import open_trace
 
-    return {name: open_trace(name, None, {}, None)[0] for name in EMBEDDED}
+    class Lazy(dict):
+        def __missing__(self, name):
+            self[name] = open_trace(name, None, {}, None)[0]
+            return self[name]
+
+    return Lazy()
 
 
-@pytest.mark.parametrize("name", EMBEDDED)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "taubench" else n
+                                  for n in EMBEDDED])  # taubench: ~9 s of the 10-minute suite's budget
 def test_reuse_oracle_beats_lru_on_every_embedded_trace(name, embedded_traces):
     """reuse-oracle >= LRU (token hit rate) at 2, 5, 10 and 20 % of the distinct blocks, on every embedded real
     trace, and strictly above at some size."""

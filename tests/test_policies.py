@@ -102,11 +102,9 @@ def test_instant_matches_reference_small_ghost_record(name, trace, capacity, gho
 @settings(max_examples=40, deadline=None, report_multiple_bugs=False)
 @given(trace=prefix_traces(), capacity=st.integers(1, 30))
 def test_instant_matches_reference_without_output_caching(name, trace, capacity):
-    """``cache_outputs=False``: outputs never touch the cache, so MIN must not count them as uses either.
-
-    Fails for belady: its next uses count output occurrences even when outputs are not cached (see
-    test_belady_ignores_uncached_outputs for a minimal case).
-    """
+    """``cache_outputs=False``: outputs never touch the cache. Belady never counts an output as a use (cached or
+    not: see test_belady_counts_only_prompt_references_as_uses); test_belady_ignores_uncached_outputs is the
+    minimal case of the bug this once caught."""
     r = engine(trace, name, capacity, cache_outputs=False)
     assert_matches(r, reference_replay_instant(trace, name, capacity, cache_outputs=False))
 
