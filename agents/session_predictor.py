@@ -58,6 +58,7 @@ from sae_env.features import (
     request_features,
     session_labels,
 )
+from sae_env.files import atomic_path
 from sae_env.trace import Trace
 
 __all__ = ["PolicyPredictor", "SessionPredictor", "macro_auc", "one_vs_rest_auc", "train_predictor"]
@@ -298,12 +299,10 @@ class SessionPredictor:
     def save(self, path: str | os.PathLike) -> Path:
         """Write the checkpoint atomically (temp file + rename)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save({"config": json.dumps(self.config()),
-                    "state_dict": {k: v.cpu() for k, v in self.model.state_dict().items()},
-                    "mean": self.mean.cpu().clone(), "std": self.std.cpu().clone()}, tmp)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            torch.save({"config": json.dumps(self.config()),
+                        "state_dict": {k: v.cpu() for k, v in self.model.state_dict().items()},
+                        "mean": self.mean.cpu().clone(), "std": self.std.cpu().clone()}, tmp)
         return path
 
     @classmethod
@@ -525,7 +524,9 @@ def track_report(report: dict[str, Any], out: Path, mode: str | None = None) -> 
 
 def cmd_predictor(args: argparse.Namespace) -> int:
     from sae_env.cli import load_input, parse_options, write_json
+    from sae_env.files import check_output_file
 
+    check_output_file(args.out, "--out")  # before the training, not after it
     traces = []
     for name in args.train:
         trace, rep = load_input(name, args.source, parse_options(args.opt))

@@ -43,6 +43,7 @@ from sae_env.files import write_json
 __all__ = ["METHODS", "add_cli", "candidate_params", "lower_is_better", "tune_fixed"]
 
 METHODS = ("random", "halving")
+_MAX_TRIALS = 1_000_000  # more is a typo: each trial is at least one episode
 
 
 def lower_is_better(objective: str) -> bool:
@@ -52,8 +53,8 @@ def lower_is_better(objective: str) -> bool:
 
 def candidate_params(env_config: Mapping[str, Any] | None, n: int, seed: int = 0) -> list[dict[str, float]]:
     """``n`` parameter vectors: the env's defaults first, then uniform draws from the action box."""
-    if isinstance(n, bool) or int(n) < 1:
-        raise ValueError(f"n_trials must be >= 1, got {n!r}")
+    if isinstance(n, bool) or not 1 <= int(n) <= _MAX_TRIALS:
+        raise ValueError(f"n_trials must lie in [1, {_MAX_TRIALS:,}], got {str(n)[:40]}")
     env = make_env(env_config)
     specs = env.param_specs
     if not specs:
@@ -248,11 +249,11 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="seed of the draws and of every episode (default 0)")
     p.add_argument("--method", choices=METHODS, help="random (default) or halving (successive halving)")
     p.add_argument("--objective", help="summary key to optimise (default token_hit_rate)")
-    from sae_env.cli import add_serial_option, add_set_option
+    from sae_env.cli import add_serial_option, add_set_option, positive_int
 
     add_serial_option(p, "run the trials one after another in this process (no Ray)")
     add_set_option(p, "--set env.capacity=0.05 --set trials=8")
-    p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray cluster (default: all)")
+    p.add_argument("--num-cpus", type=positive_int, help="CPUs of the local Ray cluster (default: all)")
     p.add_argument("--ray-address", help="use an existing Ray cluster (its network setup is its owner's)")
     p.add_argument("--out", required=True, metavar="FILE", help="best parameters (.json); trials go to "
                    "FILE.trials.json")

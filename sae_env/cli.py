@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import yaml
 
 from sae_env.files import check_output_file, write_json
-from sae_env.trace import Trace, TraceFormatError
+from sae_env.trace import MAX_TOKENS, Trace, TraceFormatError
 
 __all__ = ["CliExtension", "UsageError", "build_parser", "config_path", "load_extensions", "load_input", "main",
            "parse_options", "parse_overrides", "write_json"]
@@ -122,13 +122,24 @@ def load_input(trace: str, source: str | None, options: dict[str, Any],
     """
     from sae_env.sources import open_trace
 
-    if block_size is not None and block_size < 1:
-        raise UsageError(f"--block-size must be >= 1, got {block_size}")
+    if block_size is not None and not 1 <= block_size <= MAX_TOKENS:
+        raise UsageError(f"--block-size must lie in [1, {MAX_TOKENS:,}] tokens, got {str(block_size)[:40]}")
     trace_obj, report = open_trace(trace, source, options, block_size)
     if block_size is not None and trace_obj.block_size != block_size:
         raise UsageError(f"--block-size {block_size} does not match the trace's block size "
                          f"{trace_obj.block_size} (hash-only and native traces keep the block size of their data)")
     return trace_obj, report
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (``--num-cpus 0`` silently meant "all CPUs")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if not 1 <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text[:40]}")
+    return value
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -409,7 +420,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     add_serial_option(p, "run the cells one after another in this process (no Ray)")
     p.add_argument("--ray-address", metavar="ADDR", help="run on an existing Ray cluster (its network setup is its "
                    "owner's); default: a private local cluster that sends nothing off the machine")
-    p.add_argument("--num-cpus", type=int, metavar="N", help="CPUs of the local Ray cluster (default: all)")
+    p.add_argument("--num-cpus", type=positive_int, metavar="N", help="CPUs of the local Ray cluster (default: all)")
     p.add_argument("--run-id", help="name of the run folder under <output>/<experiment>/ (default: a hash of the "
                    "config, so rerunning the same config resumes it)")
     p.add_argument("--fresh", action="store_true", help="compute every cell again in a new run folder (no resuming, "

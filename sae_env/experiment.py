@@ -154,6 +154,9 @@ class WorkloadSpec:
             raise ConfigError(f"{where}.trace: expected a name, a path or a mapping, got {trace!r}")
         name = d.get("name", trace if isinstance(trace, str) else trace.get("trace") or trace.get("source"))
         source = trace if isinstance(trace, str) else trace.get("source") or trace.get("trace")
+        for key in ("source", "trace", "path"):
+            if isinstance(trace, dict) and key in trace and not isinstance(trace[key], str):
+                raise ConfigError(f"{where}.trace.{key}: expected a name or a path, got {_short(trace[key])}")
         source = _embedded_source(source)
         generated = source in GENERATED_SOURCES and not (isinstance(trace, dict) and "seed" in trace)
         reseed = d.get("reseed", generated)

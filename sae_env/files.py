@@ -118,7 +118,13 @@ def read_mapping(source: str | os.PathLike, what: str, inline: bool = False) -> 
     if is_file:
         if not path.exists():
             raise FileNotFoundError(f"{what}: no such file {path}")
-        data, where = parse_document(path.read_text(), path.suffix.lower(), str(path)), str(path)
+        if path.is_dir():
+            raise ValueError(f"{what}: {path} is a folder, not a file")
+        try:
+            text = path.read_bytes().decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        data, where = parse_document(text, path.suffix.lower(), str(path)), str(path)
     else:
         data, where = parse_document(str(source), ".yaml", what), what
     if data is None:

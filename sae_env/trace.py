@@ -730,6 +730,10 @@ def _load_npz(path: Path) -> Trace:
     unknown = sorted(set(data) - set(_NPZ_KINDS))
     if unknown:
         raise TraceFormatError(f"unknown arrays {unknown}", path=path)
+    outputs = [k for k in ("output_offsets", "output_keys", "output_types") if k in data]
+    if outputs and len(outputs) != 3:
+        raise TraceFormatError(f"has {outputs} but output_offsets, output_keys and output_types go together",
+                               path=path)
     try:
         for name, a in data.items():
             _check_npz_array(name, a)

@@ -78,6 +78,11 @@ def test_bad_input_exits_2_with_one_clear_line(argv, message, capsys):
     (["characterize", "bailian", "--json", "/tmp"], "--json /tmp is a folder"),
     # issue 15: silently one block
     (["replay", "--trace", "bailian", "--capacity", "0.0000001"], "less than one"),
+    # found by the fuzz test and the probes of issue 15
+    (["replay", "--trace", "wildchat", "--block-size", str(10**20)], "--block-size must lie in [1, 100,000,000]"),
+    (["replay", "--trace", "synthetic", "--opt", "preset=[1]"], "unknown synthetic preset [1]"),
+    (["tune", "--env", "{trace: {source: synthetic, preset: tiny}}", "--trials", str(10**30), "--out", "/tmp/t.json",
+      "--serial"], "n_trials must lie in [1, 1,000,000]"),
 ])
 def test_user_errors_are_one_line_not_a_traceback(argv, message, capsys):
     assert main(argv) == 2
@@ -98,6 +103,18 @@ def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
     assert main(["replay", "--trace", "bailian", "--json", str(out)]) == 2
     assert {p.name for p in Path("/").iterdir()} == before
     assert sorted(p.name for p in out.iterdir()) == ["plots.png"]
+
+
+def test_paths_that_cannot_be_what_they_must(tmp_path, capsys):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    assert main(["run", "--config", str(folder)]) == 2
+    assert f"{folder} is a folder, not a file" in capsys.readouterr().err
+    assert main(["predictor", "--train", "bailian", "--out", str(folder)]) == 2  # before training, not after
+    assert f"--out {folder} is a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # was silently "all CPUs"
+        main(["run", "--num-cpus", "0"])
+    assert exit_.value.code == 2 and "--num-cpus: expected an integer >= 1" in capsys.readouterr().err
 
 
 def test_folders_and_self_including_mixes_as_traces(tmp_path, capsys):

@@ -148,6 +148,27 @@ def test_a_capacity_that_fits_no_trace_fails_before_any_cell(tmp_path, capsys):
     assert not list((tmp_path / "runs").glob("*/*/cells/*.json"))
 
 
+def test_mutated_configs_are_valid_or_a_config_error():
+    """Seeded mutations of the shipped configs (hostile values at random places, keys deleted or added; issue 15: 28
+    broken configs gave tracebacks or failed in every cell): load_config accepts them or raises ConfigError, the
+    one-line exit 2 of the command line, and nothing else."""
+    import numpy as np
+    import yaml
+    from test_fuzz_sources import mutate_json
+
+    configs = [yaml.safe_load(p.read_text()) for p in sorted((ROOT / "configs").glob("*.yaml")) if p.name != "ppo.yaml"]
+    rng = np.random.default_rng(15)
+    outcomes = {"valid": 0, "error": 0}
+    for i in range(400):
+        data = mutate_json(configs[i % len(configs)], rng)
+        try:
+            load_config(data if isinstance(data, dict) else {"config": data}, RUNNER, where="mutated")
+            outcomes["valid"] += 1
+        except ConfigError:
+            outcomes["error"] += 1
+    assert outcomes["valid"] > 0 and outcomes["error"] > 0
+
+
 def test_config_file_errors(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [unclosed\n")

@@ -265,6 +265,19 @@ def test_a_mix_that_includes_itself_is_refused(tmp_path):
     assert len(trace) > 0
 
 
+def test_a_component_without_its_file_is_named(tmp_path):
+    """A file source without a path raised a TypeError (found by the fuzz test); errors of a component name the mix
+    config and the component."""
+    phases = "phases:\n  - {duration: 10, rate: 1, weights: {m: 1}}\n"
+    (tmp_path / "m.yaml").write_text("components:\n  - {name: m, source: mooncake}\n" + phases)
+    with pytest.raises(ValueError, match=r"m\.yaml: component 'm': no file given"):
+        load_source("mix", tmp_path / "m.yaml")
+    (tmp_path / "n.yaml").write_text("components:\n  - {name: m, source: synthetic, options: {preset: [1]}}\n"
+                                     + phases)
+    with pytest.raises(ValueError, match=r"n\.yaml: component 'm': .*unknown synthetic preset \[1\]"):
+        load_source("mix", tmp_path / "n.yaml")
+
+
 def test_config_validation():
     comps = [{"name": "a", "source": "synthetic", "options": {"preset": "tiny"}}]
     ph = [{"duration": 10, "rate": 1, "weights": {"a": 1}}]

@@ -108,3 +108,28 @@ def test_a_folder_as_trace_names_it(tmp_path):
         open_trace(str(tmp_path))
     with pytest.raises(TraceFormatError, match="is a folder"):
         Trace.load(tmp_path)
+
+
+GSM8K = "".join(json.dumps({"question": f"Tom has {i} apples and buys 3 more. How many?",
+                            "answer": f"He has {i} + 3 = <<{i}+3={i + 3}>>{i + 3} apples.\n#### {i + 3}"}) + "\n"
+                for i in range(3))
+
+
+@pytest.mark.parametrize("source, name, text, options", [
+    ("conversations", "t.jsonl", CONVERSATIONS, {}),
+    ("taubench", "t.json", TAUBENCH, {"tools": "none"}),
+    ("gsm8k", "t.jsonl", GSM8K, {"shots": 1}),
+], ids=["conversations", "taubench", "gsm8k"])
+def test_half_a_surrogate_pair_is_not_text(tmp_path, source, name, text, options):
+    """A lone \\udcff escape is valid JSON but not text: the tokenizer could not encode it and the error named no
+    file (found by the fuzz test). A whole pair (an emoji written escaped) is text and loads."""
+    ref, _ = load_source(source, _write(tmp_path / name, text), **options)
+    pair = text.replace("question number 1", "question \\ud83d\\ude00 1").replace(
+        "change flight 1", "change flight \\ud83d\\ude00 1").replace("Tom has 1", "Tom \\ud83d\\ude00 has 1")
+    assert pair != text
+    trace, _ = load_source(source, _write(tmp_path / ("pair_" + name), pair), **options)
+    assert len(trace) == len(ref)
+    lone = pair.replace("\\ude00", "")
+    with pytest.raises(TraceFormatError, match="surrogate") as exc:
+        load_source(source, _write(tmp_path / ("lone_" + name), lone), **options)
+    assert str(tmp_path / ("lone_" + name)) in str(exc.value) and exc.value.field

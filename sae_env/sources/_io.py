@@ -21,7 +21,8 @@ from typing import IO, Any
 
 from sae_env.trace import TraceFormatError
 
-__all__ = ["check_input_file", "check_options", "iter_json_lines", "open_binary", "open_text", "unreadable"]
+__all__ = ["check_input_file", "check_options", "iter_json_lines", "lone_surrogate", "open_binary", "open_text",
+           "unreadable"]
 
 BOM = "\ufeff"
 _DECODE_ERRORS = (UnicodeDecodeError, gzip.BadGzipFile, EOFError, zlib.error)
@@ -29,6 +30,8 @@ _DECODE_ERRORS = (UnicodeDecodeError, gzip.BadGzipFile, EOFError, zlib.error)
 
 def check_input_file(path: str | os.PathLike) -> Path:
     """``path`` as an existing regular file: FileNotFoundError when missing, TraceFormatError for a folder."""
+    if path is None:
+        raise ValueError("no file given (this source reads a file: give its path)")
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file")
@@ -124,6 +127,25 @@ def iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                 raise TraceFormatError(f"malformed JSON ({e.msg}, column {e.colno})", path=path, line=lineno) from e
         if empty:
             raise TraceFormatError("empty file", path=path)
+
+
+def lone_surrogate(obj: Any, where: str = "") -> str | None:
+    """Where a parsed JSON value holds a string with half a UTF-16 surrogate pair (``"\\udcff"`` escaped alone:
+    valid JSON, but not text, and the tokenizer cannot encode it), as a field path (``messages[2].content``); None
+    when it holds none. Callers look only when the line holds a ``\\u`` escape."""
+    if isinstance(obj, str):
+        if not obj.isascii():
+            try:
+                obj.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "(the value)"
+        return None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        found = lone_surrogate(v, f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}" if where else str(k))
+        if found is not None:
+            return found
+    return None
 
 
 def check_options(source: str, options: dict[str, Any], allowed: set[str]) -> None:

@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from sae_env.sources._io import check_options, open_text
+from sae_env.sources._io import check_options, lone_surrogate, open_text
 from sae_env.tokenizer import ChatTemplate, get_tokenizer
 from sae_env.trace import (
     AppType,
@@ -514,6 +514,12 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> tuple[Trace, 
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 fail("malformed JSON", f"malformed JSON ({e.msg}, column {e.colno})", lineno, None)
+                conv_index += 1
+                continue
+            bad_text = lone_surrogate(obj) if "\\u" in line else None
+            if bad_text is not None:
+                fail("not text", "holds half a UTF-16 surrogate pair (a lone \\uD800-\\uDFFF escape), not text",
+                     lineno, bad_text)
                 conv_index += 1
                 continue
             try:

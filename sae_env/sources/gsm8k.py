@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from sae_env.sources._io import check_options, open_text
+from sae_env.sources._io import check_options, lone_surrogate, open_text
 from sae_env.sources.conversations import common_setup, int_option, parse_arrivals
 from sae_env.trace import (
     AppType,
@@ -106,6 +106,10 @@ def _parse_row(line: str) -> tuple[str, str]:
         raise ValueError(None, f"malformed JSON ({e.msg}, column {e.colno})", "malformed JSON") from None
     if not isinstance(obj, Mapping):
         raise ValueError(None, f"a row must be a JSON object, got {type(obj).__name__}", "not an object")
+    bad_text = lone_surrogate(obj) if "\\u" in line else None
+    if bad_text is not None:
+        raise ValueError(bad_text, "holds half a UTF-16 surrogate pair (a lone \\uD800-\\uDFFF escape), not text",
+                         "not text")
     q, a = obj.get("question"), obj.get("answer")
     if not isinstance(q, str) or not q.strip():
         raise ValueError("question", "missing, empty or not a string", "bad question")

@@ -501,14 +501,20 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> tuple[Trace, 
             copts = dict(comp.options)
             if on_error is not None and comp.source != "trace":
                 copts.setdefault("on_error", on_error)
-            tr, rep = load_source(comp.source, cpath, **copts)
+            try:
+                tr, rep = load_source(comp.source, cpath, **copts)
+            except (ValueError, OSError) as e:  # named by the config that asked for it, as well as by its own file
+                raise ValueError(f"{where}: component {comp.name!r}: {e}") from None
             traces.append(tr)
             reports.append(rep)
     finally:
         _LOADING.reset(token)
-    arrivals_file = config.arrivals.file(base)
-    process = None if arrivals_file is None else load_process(arrivals_file, on_error=on_error or "raise")
-    trace, stats = interleave(traces, config, process)
+    try:
+        arrivals_file = config.arrivals.file(base)
+        process = None if arrivals_file is None else load_process(arrivals_file, on_error=on_error or "raise")
+        trace, stats = interleave(traces, config, process)
+    except (ValueError, OSError) as e:
+        raise ValueError(e if str(e).startswith(where) else f"{where}: {e}") from None
 
     report = LoadReport(source="mix", path=str(path) if path is not None else "<options>",
                         rows_read=sum(r.rows_read for r in reports))

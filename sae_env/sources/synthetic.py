@@ -450,7 +450,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def make_config(preset: str | None = None, **overrides: Any) -> SyntheticConfig:
     """A validated config: the named preset (default: the plain defaults) deep-merged with ``overrides``."""
-    if preset is not None and preset not in PRESETS:
+    if preset is not None and (not isinstance(preset, str) or preset not in PRESETS):
         raise ValueError(f"unknown synthetic preset {preset!r}; valid presets: {sorted(PRESETS)}")
     data = _merge(PRESETS[preset] if preset else {}, overrides)
     return SyntheticConfig.from_dict(data, where=f"synthetic config (preset {preset!r})" if preset else
@@ -858,7 +858,7 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> tuple[Trace, 
         where = f"{path}"
         check_options(f"synthetic (config file {path})", data, _OPTIONS - {"on_error"})
     preset = options.pop("preset", data.pop("preset", None))
-    if preset is not None and preset not in PRESETS:
+    if preset is not None and (not isinstance(preset, str) or preset not in PRESETS):
         raise ValueError(f"{where}: unknown synthetic preset {preset!r}; valid presets: {sorted(PRESETS)}")
     merged = _merge(_merge(PRESETS[preset] if preset else {}, data), options)
     config = SyntheticConfig.from_dict(merged, where=where)

@@ -37,7 +37,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from sae_env.sources._io import check_options, open_text
+from sae_env.sources._io import check_options, lone_surrogate, open_text
 from sae_env.sources.conversations import (
     COMMON_OPTIONS,
     BadMessage,
@@ -160,6 +160,7 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> tuple[Trace, 
         text = f.read()
     sessions: list[ChatSession] = []
     trailing = 0
+    may_escape = "\\u" in text
     for index, (line, rec) in enumerate(_iter_json_array(text, path)):
         if max_sessions is not None and len(sessions) >= max_sessions:
             break
@@ -170,6 +171,10 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> tuple[Trace, 
                                  "not an object")
             if "traj" not in rec:
                 raise BadMessage(f"[{index}].traj", "missing", "missing traj")
+            bad_text = lone_surrogate(rec["traj"], f"[{index}].traj") if may_escape else None
+            if bad_text is not None:
+                raise BadMessage(bad_text, "holds half a UTF-16 surrogate pair (a lone \\uD800-\\uDFFF escape), "
+                                 "not text", "not text")
             msgs = normalize_messages(rec["traj"], f"[{index}].traj")
         except BadMessage as e:
             if on_error == "raise":
