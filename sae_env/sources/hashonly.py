@@ -155,6 +155,10 @@ class HashRows:
 
 
 _TIME_END = {TIME: MAX_TIME_S, TIME_MS: 1000.0 * MAX_TIME_S}
+# Integer kinds: (lowest, highest, what is wrong past the highest (past the lowest: ">= lowest", or this for INT)).
+_INT_KINDS = {COUNT: (0, _I64_END - 1, "must be < 2**63"),
+              TOKENS: (0, MAX_TOKENS, f"must be at most {MAX_TOKENS:,} tokens"),
+              TURN: (1, MAX_TURN, f"must be at most {MAX_TURN}"), INT: (-_I64_END, _I64_END - 1, "must fit in 64 bits")}
 
 
 def _short(v) -> str:
@@ -166,24 +170,13 @@ def _short(v) -> str:
 def _check_value(v, kind: str) -> str | None:
     """Why ``v`` is not a valid value of ``kind`` (None when valid). Exact type tests: bool is not an integer."""
     t = type(v)
-    if kind == COUNT:
+    if kind in _INT_KINDS:
         if t is not int:
             return f"must be an integer, got {_short(v)}"
-        if v >= _I64_END:
-            return f"must be < 2**63, got {_short(v)}"
-        return None if v >= 0 else f"must be >= 0, got {v}"
-    if kind == TOKENS:
-        if t is not int:
-            return f"must be an integer number of tokens, got {_short(v)}"
-        if v > MAX_TOKENS:
-            return f"must be at most {MAX_TOKENS:,} tokens, got {_short(v)}"
-        return None if v >= 0 else f"must be >= 0, got {v}"
-    if kind == TURN:
-        if t is not int:
-            return f"must be an integer, got {_short(v)}"
-        if v > MAX_TURN:
-            return f"must be at most {MAX_TURN}, got {_short(v)}"
-        return None if v >= 1 else f"must be >= 1, got {v}"
+        lo, hi, too_big = _INT_KINDS[kind]
+        if v > hi:
+            return f"{too_big}, got {_short(v)}"
+        return None if v >= lo else f"{too_big if kind == INT else f'must be >= {lo}'}, got {_short(v)}"
     if kind in _TIME_END:
         if t is not int and t is not float:
             return f"must be a number, got {_short(v)}"
@@ -195,10 +188,6 @@ def _check_value(v, kind: str) -> str | None:
         end = _TIME_END[kind]
         unit = "s" if kind == TIME else "ms"
         return None if v <= end else f"must be at most {end:.0e} {unit} (the trace clock's range), got {_short(v)}"
-    if kind == INT:
-        if t is not int:
-            return f"must be an integer, got {_short(v)}"
-        return None if -_I64_END <= v < _I64_END else f"must fit in 64 bits, got {_short(v)}"
     if kind == STR:
         return None if t is str else f"must be a string, got {_short(v)}"
     raise RuntimeError(f"unknown field kind {kind!r}")
