@@ -30,6 +30,9 @@ dropped and counted. Rows out of time order are sorted (stably) and counted in t
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -190,7 +193,8 @@ def _bad_rows_time(values: list[str]) -> dict[int, str]:
     bad = {}
     for i, v in enumerate(values):
         try:
-            x = np.datetime64(v, "us")
+            with _quiet_timezones():
+                x = np.datetime64(v, "us")
         except ValueError:
             bad[i] = f"not a timestamp like '2023-11-16 18:17:03.9799600': {_short(v)}"
             continue
@@ -203,10 +207,20 @@ def _bad_rows_time(values: list[str]) -> dict[int, str]:
 
 def _parse_times(values: list[str]) -> np.ndarray:
     """datetime64[ns] of the strings; ValueError when one does not parse or lies outside [EARLIEST, LATEST]."""
-    us = np.array(values, dtype="datetime64[us]")
-    if np.isnat(us).any() or (us < EARLIEST).any() or (us > LATEST).any():
-        raise ValueError("NaT or out of range")
-    return np.array(values, dtype="datetime64[ns]")  # parsed again: ns keeps the file's 100 ns digits exactly
+    with _quiet_timezones():
+        us = np.array(values, dtype="datetime64[us]")
+        if np.isnat(us).any() or (us < EARLIEST).any() or (us > LATEST).any():
+            raise ValueError("NaT or out of range")
+        return np.array(values, dtype="datetime64[ns]")  # parsed again: ns keeps the file's 100 ns digits exactly
+
+
+@contextmanager
+def _quiet_timezones() -> Iterator[None]:
+    """numpy turns a timestamp with an offset (``+05:00``, ``Z``) into UTC, as it should, and warns each time that
+    datetime64 has no time zone: nothing a user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="no explicit representation of timezones")
+        yield
 
 
 def load_process(path: str | os.PathLike, *, on_error: str = "raise") -> AzureProcess:
