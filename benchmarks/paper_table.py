@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from sae_env.files import write_json
 
 
 def latest(runs: Path, study: str) -> Path | None:
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"## {key} ({run})\n")
         print(markdown(figures[key]))
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=1, default=str))
+        write_json(args.json, figures, indent=1)
     return 0
 
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from agents.session_predictor import SessionPredictor
+from sae_env.files import write_json
 from sae_env.sources._io import open_text
 from sae_env.tokenizer import get_tokenizer
 
@@ -157,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label}: ours {out[f'ours_{label}_rps']:,.0f} req/s, embedder {out[f'embedder_{label}_rps']:,.1f} "
               f"req/s, ratio {out[f'ratio_{label}']:,.0f}x")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out, indent=1)
     return 0
 
 

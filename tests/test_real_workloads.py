@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_mix import all_blocks, same_partition
+from test_mix import check_mix
 
 from sae_env import data
 from sae_env.characterize import headroom
@@ -91,51 +91,17 @@ def test_embedded_workloads_load(name):
 def check_recorded(mixed, comps) -> None:
     """Every session of the mix is its recorded session, cut only where the schedule ends: request k of a mixed
     session is request k of the recorded one (turn, app, token counts, token types, key equalities within each
-    component and pass, none across), at the same offset from the session's start; a session ends early only when
-    its next recorded request would arrive after the schedule."""
+    component and pass, none across), at the same offset from the session's start (test_mix.check_mix); a session
+    ends early only when its next recorded request would arrive after the schedule."""
+    check_mix(mixed, comps, group_by_pass=True, complete=False)
     sc, so = np.asarray(mixed.meta["session_component"]), np.asarray(mixed.meta["session_origin"])
-    passes = np.asarray(mixed.meta["session_pass"])
     end = mixed.meta["phases"][-1]["end"]
-    recorded = []
-    for tr in comps:
-        by: dict[int, list[int]] = {}
-        for i, sid in enumerate(tr.session_ids()):
-            by.setdefault(int(sid), []).append(i)
-        recorded.append(by)
-    seen: dict[int, int] = {}
-    start: dict[int, float] = {}
-    orig = np.empty(len(mixed), dtype=np.int64)
-    for i in range(len(mixed)):
-        s = int(mixed.session[i])
-        k = seen.get(s, 0)
-        seen[s] = k + 1
-        orig[i] = recorded[sc[s]][int(so[s])][k]
-        start.setdefault(s, float(mixed.t[i]))
-    for s, k in seen.items():
-        rows = recorded[sc[s]][int(so[s])]
-        if k < len(rows):  # cut: its next turn would come after the schedule's end
-            tr = comps[sc[s]]
-            assert start[s] + tr.t[rows[k]] - tr.t[rows[0]] >= end - 1e-6, s
-    comp = sc[mixed.session]
-    keysets = []
-    for c, tr in enumerate(comps):
-        sel = np.flatnonzero(comp == c)
-        o = orig[sel]
-        for name in ("turn", "app", "prompt_tokens", "output_tokens"):
-            np.testing.assert_array_equal(getattr(mixed, name)[sel], getattr(tr, name)[o])
-        first = np.array([recorded[c][int(so[s])][0] for s in mixed.session[sel]])
-        rel = mixed.t[sel] - np.array([start[int(s)] for s in mixed.session[sel]])
-        np.testing.assert_allclose(rel, tr.t[o] - tr.t[first], rtol=0, atol=1e-9)
-        for g in np.unique(passes[mixed.session[sel]]):
-            gs = sel[passes[mixed.session[sel]] == g]
-            mk, mt = all_blocks(mixed, gs)
-            ok, ot = all_blocks(tr, orig[gs])
-            assert same_partition(mk, ok)
-            np.testing.assert_array_equal(mt, ot)
-        keysets.append(set(all_blocks(mixed, sel)[0].tolist()))
-    for a in range(len(keysets)):
-        for b in range(a + 1, len(keysets)):
-            assert not keysets[a] & keysets[b]
+    sessions, first, count = np.unique(mixed.session, return_index=True, return_counts=True)
+    for s, i, k in zip(sessions.tolist(), first.tolist(), count.tolist(), strict=True):
+        tr = comps[sc[s]]
+        rows = np.flatnonzero(tr.session_ids() == so[s])
+        if k < rows.size:  # cut: its next turn would come after the schedule's end
+            assert mixed.t[i] + tr.t[rows[k]] - tr.t[rows[0]] >= end - 1e-6, s
 
 
 def test_recorded_sessions_keep_their_tokens_types_and_gaps(shift, components):
