@@ -156,7 +156,7 @@ def markdown(block: dict[str, Any]) -> str:
     if isinstance(rows, list) and rows:
         cols = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in _HIDDEN]
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+        lines += ["| " + " | ".join("-" if r.get(c) is None else str(r[c]) for c in cols) + " |" for r in rows]
         lines.append("")
     for k, v in block.items():
         if k not in ("rows", "run"):
