@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -94,15 +95,16 @@ def _import_wandb(mode: str) -> Any:
 
 
 def init_run(target: WandbTarget, *, name: str, job_type: str, group: str | None,
-             config: Mapping[str, Any]) -> Any:
-    """A new W&B run (``mode`` passed explicitly: W&B reads ``WANDB_MODE`` only once per process)."""
+             config: Mapping[str, Any], run_id: str | None = None) -> Any:
+    """A new W&B run (``mode`` passed explicitly: W&B reads ``WANDB_MODE`` only once per process); ``run_id``: its
+    id, chosen by the caller (default: W&B's)."""
     wandb = _import_wandb(target.mode)
     target.dir.mkdir(parents=True, exist_ok=True)
     settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, x_disable_machine_info=True,
                               disable_git=True, save_code=False, disable_job_creation=True)
     return wandb.init(mode=target.mode, project=target.project, entity=target.entity, group=group,
                       job_type=job_type, name=name, config=dict(config), dir=str(target.dir), settings=settings,
-                      reinit="create_new")
+                      reinit="create_new", id=run_id)
 
 
 def finish_run(run: Any, timeout_s: float = 30.0) -> bool:
@@ -122,6 +124,9 @@ def finish_run(run: Any, timeout_s: float = 30.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+_RUN_LIST = "wandb-runs.txt"  # in an experiment's run folder: the ids of the W&B runs it started
 
 
 class Tracker:
@@ -147,7 +152,12 @@ class Tracker:
         return self._wandb
 
     def _init(self, name: str, job_type: str, config: Mapping[str, Any]) -> Any:
-        return init_run(self.target, name=name, job_type=job_type, group=self.group, config=config)
+        # The run's id is chosen and listed in this run folder before W&B starts writing: a run killed while it
+        # starts holds no record of whose it is, and its folder is named after the id.
+        run_id = secrets.token_hex(4)  # 8 characters of [0-9a-f], as W&B's own ids
+        with open(self.run_dir / _RUN_LIST, "a") as f:
+            f.write(f"{run_id}\n")
+        return init_run(self.target, name=name, job_type=job_type, group=self.group, config=config, run_id=run_id)
 
     def _guard(self, what: str, fn: Callable[[], None]) -> None:
         if not self.enabled:
@@ -200,13 +210,17 @@ class Tracker:
 
     def _own_runs(self) -> list[tuple[Path, dict[str, Any]]]:
         """This run folder's W&B runs, oldest first: (folder, :func:`run_file_status`). With the runs in the run
-        folder itself every run there is its own; under a shared ``WANDB_DIR`` only those whose config names this
-        run folder (a run being written by another experiment is left alone)."""
+        folder itself every run there is its own; under a shared ``WANDB_DIR`` those this run folder started (listed
+        by id in its ``wandb-runs.txt``) or whose config names it (a run of another experiment is left alone)."""
         own_folder = self.target.dir.resolve() == self.run_dir.resolve()
+        try:
+            listed = set((self.run_dir / _RUN_LIST).read_text().split())
+        except OSError:
+            listed = set()
         out = []
         for folder in sorted(run_folders(self.target.dir), key=lambda f: f.name.split("run-", 1)[-1]):
             info = run_file_status(folder)
-            if own_folder or info.get("run_dir") == str(self.run_dir):
+            if own_folder or folder.name.rsplit("-", 1)[-1] in listed or info.get("run_dir") == str(self.run_dir):
                 out.append((folder, info))
         return out
 

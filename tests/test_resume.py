@@ -188,3 +188,26 @@ def test_run_id_is_a_plain_name(tmp_path, capsys, run_id):
     assert not (tmp_path / "escape").exists() and not Path("/tmp/elsewhere").exists()
     with pytest.raises(ConfigError, match="is not a valid name"):
         run_experiment(load_config(path, RUNNER), RUNNER, run_id=run_id, serial=True, progress=False)
+
+
+def test_under_a_shared_wandb_dir_resume_touches_only_its_own_runs(tmp_path, monkeypatch):
+    """With WANDB_DIR shared by several experiments, a run cut short while W&B started it holds no record of whose
+    it is: the run folder lists the ids of the runs it starts (wandb-runs.txt) before W&B writes anything."""
+    shared = tmp_path / "shared"
+    monkeypatch.setenv("WANDB_DIR", str(shared))
+    config = load_config({**CONFIG, "output": str(tmp_path / "runs"), "capacities": [0.1], "seeds": [0],
+                          "agents": ["lru"], "wandb": {"mode": "offline"}}, RUNNER)
+    first = run_experiment(config, RUNNER, serial=True, progress=False, log=lambda m: None)
+    planted = {}
+    for who, run_id in (("mine", "aaaa0000"), ("theirs", "bbbb0000")):
+        folder = shared / "wandb" / f"offline-run-20990101_000000-{run_id}"
+        folder.mkdir()
+        (folder / f"run-{run_id}.wandb").write_bytes(b":W&B\x00\x00\x00")  # a header, nothing after: cut short
+        planted[who] = folder
+    with open(first.run_dir / "wandb-runs.txt", "a") as f:
+        f.write("aaaa0000\n")
+    run_experiment(config, RUNNER, serial=True, progress=False, log=lambda m: None)
+    assert not planted["mine"].exists() and (first.run_dir / "aside" / "wandb" / planted["mine"].name).exists()
+    assert planted["theirs"].exists()
+    cells, summaries, incomplete = _wandb_census(shared)
+    assert dict(cells) == {"tiny__cap0.1__lru__s0": 1} and summaries == 1 and incomplete == 1  # theirs
