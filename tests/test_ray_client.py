@@ -20,21 +20,14 @@ import pytest
 
 pytest.importorskip("grpc", reason="Ray Client needs the client extra (ray[client])")
 
+from test_experiment import SMALL as EXPERIMENT  # noqa: E402
+from test_experiment import strip_timing  # noqa: E402
+
 from agents import CellRunner  # noqa: E402
 from sae_env.experiment import load_config, load_results, run_experiment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = {
-    "name": "client",
-    "workloads": [{"name": "tiny", "trace": {"source": "synthetic", "preset": "tiny"}},
-                  {"name": "bailian", "trace": "bailian"}],
-    "capacities": [0.1, 0.3],
-    "agents": ["lru", "saecache", "belady"],
-    "serving": "instant",
-    "window": 10,
-    "seeds": [0, 1],
-    "wandb": {"mode": "disabled"},
-}
+SMALL = {**EXPERIMENT, "name": "client"}  # 24 small cells: two workloads, two capacities, three agents, two seeds
 
 # The driver: a head node on loopback, then the README's command through Ray Client; the head is stopped at exit.
 DRIVER = textwrap.dedent("""
@@ -46,10 +39,6 @@ DRIVER = textwrap.dedent("""
         argv = [sys.executable, "train.py", "--config", sys.argv[1], "--ray-address", address, "--no-progress"]
         sys.exit(subprocess.run(argv).returncode)
 """)
-
-
-def _strip(results: dict) -> dict:
-    return {k: {kk: vv for kk, vv in v.items() if kk != "timing"} for k, v in results.items()}
 
 
 def _client_run(tmp_path: Path, prefix: list[str] = ()) -> tuple[subprocess.CompletedProcess, dict]:
@@ -76,7 +65,7 @@ def _no_head_left(stdout: str) -> None:
 def test_ray_client_run_equals_serial(tmp_path):
     proc, results = _client_run(tmp_path)
     assert len(results["client"]) == 24
-    assert _strip(results["client"]) == _strip(results["serial"])
+    assert strip_timing(results["client"]) == strip_timing(results["serial"])
     _no_head_left(proc.stdout)
 
 
@@ -86,7 +75,7 @@ def test_ray_client_sends_nothing_off_the_machine(tmp_path):
     log = tmp_path / "strace.txt"
     proc, results = _client_run(tmp_path, ["strace", "-f", "-qq", "-e", "trace=connect,sendto,sendmsg,sendmmsg",
                                            "-o", str(log)])
-    assert _strip(results["client"]) == _strip(results["serial"])
+    assert strip_timing(results["client"]) == strip_timing(results["serial"])
     inet = re.findall(r"sa_family=AF_INET6?, [^}]*}", log.read_text())
     assert inet, "no TCP/UDP connection at all: strace did not see Ray"
     remote = [a for a in inet if "127.0.0.1" not in a and '"::1"' not in a]
