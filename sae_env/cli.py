@@ -92,16 +92,21 @@ def add_set_option(p: argparse.ArgumentParser, example: str) -> None:
 
 def config_path(value: str | None, default: Path = DEFAULT_CONFIG) -> Path:
     """The config file a command names: a path as given, else a shipped config by name (``load_sweep``,
-    ``load_sweep.yaml`` or ``configs/load_sweep.yaml``), so that an installed package runs them from any folder."""
+    ``load_sweep.yaml``, ``configs/load_sweep.yaml``, ``tune/real_mismatch``), so that an installed package runs
+    them from any folder."""
     if value is None:
         return default
     path = Path(value)
     if path.exists():
         return path
-    shipped = SHIPPED_CONFIGS / (path.name if path.suffix else f"{path.name}.yaml")
-    if not path.is_absolute() and path.parent in (Path("."), Path("configs")) and shipped.exists():
-        return shipped
-    names = ", ".join(sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml")))
+    if not path.is_absolute() and path.parts:
+        parts = path.parts[1:] if path.parts[0] == "configs" else path.parts
+        shipped = SHIPPED_CONFIGS.joinpath(*parts) if parts else SHIPPED_CONFIGS
+        shipped = shipped if shipped.suffix else shipped.with_suffix(".yaml")
+        if shipped.is_file():
+            return shipped
+    names = ", ".join(sorted(p.relative_to(SHIPPED_CONFIGS).with_suffix("").as_posix()
+                             for p in SHIPPED_CONFIGS.rglob("*.yaml")))
     raise UsageError(f"config file {value} does not exist (shipped configs, by name: {names})")
 
 

@@ -50,6 +50,8 @@ def test_shipped_configs_are_found_by_name_from_any_folder(tmp_path, monkeypatch
     for spelling in ("load_sweep", "load_sweep.yaml", "configs/load_sweep.yaml"):
         assert config_path(spelling) == SHIPPED_CONFIGS / "load_sweep.yaml"
     assert config_path(None) == SHIPPED_CONFIGS / "quickstart.yaml"
+    for spelling in ("tune/real_mismatch", "configs/tune/real_mismatch.yaml"):  # a shipped subfolder too
+        assert config_path(spelling) == SHIPPED_CONFIGS / "tune" / "real_mismatch.yaml"
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "load_sweep.yaml").write_text("name: mine\n")
     assert config_path("configs/load_sweep.yaml") == Path("configs/load_sweep.yaml")  # a real file wins
@@ -58,7 +60,8 @@ def test_shipped_configs_are_found_by_name_from_any_folder(tmp_path, monkeypatch
 
 def test_pyproject_ships_the_configs():
     text = (ROOT / "pyproject.toml").read_text()
-    assert '"sae_env" = ["configs/*.yaml"]' in text and 'agents = "agents.cli:AgentsExtension"' in text
+    assert '"sae_env" = ["configs/*.yaml", "configs/*/*.yaml"]' in text
+    assert 'agents = "agents.cli:AgentsExtension"' in text
     assert (ROOT / "sae_env" / "configs").resolve() == (ROOT / "configs").resolve()
 
 
