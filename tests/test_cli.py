@@ -130,6 +130,20 @@ def test_folders_and_self_including_mixes_as_traces(tmp_path, capsys):
     assert "cannot include itself" in capsys.readouterr().err
 
 
+def test_a_trace_on_standard_input(tmp_path):
+    """``--trace -`` reads standard input (it loaded the embedded data of the source instead)."""
+    rows = "".join(json.dumps({"timestamp": i, "input_length": 1024, "output_length": 5, "hash_ids": [0, 1 + i]}) + "\n"
+                   for i in range(5))
+    out = tmp_path / "r.json"
+    run = subprocess.run([sys.executable, "train.py", "replay", "--trace", "-", "--source", "mooncake", "--capacity",
+                          "2", "--json", str(out)], cwd=ROOT, input=rows, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(out.read_text())["requests"] == 5
+    run = subprocess.run([sys.executable, "train.py", "replay", "--trace", "-"], cwd=ROOT, input=rows,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "needs its format" in run.stderr
+
+
 def test_malformed_trace_names_file_line_and_field(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
