@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -165,14 +167,14 @@ def test_tune_set_and_serial(tmp_path, capsys):
 # -- a non-editable install in a fresh venv, run from /tmp ---------------------------------------------------------
 
 @pytest.mark.slow
-def test_installed_package_runs_from_any_folder(tmp_path):
+def test_installed_package_runs_from_any_folder(tmp_path, request):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "torch==2.13.0", str(ROOT)]
     proc = subprocess.run(pip, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    work = Path("/tmp") / f"saecache-gym-{os.getpid()}"
-    work.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="saecache-gym-", dir="/tmp"))  # outside the checkout and tmp_path
+    request.addfinalizer(lambda: shutil.rmtree(work, ignore_errors=True))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     script = str(venv / "bin" / "saecache-gym")
     help_ = subprocess.run([script, "--help"], cwd=work, env=env, capture_output=True, text=True, timeout=300)
