@@ -7,8 +7,9 @@ parameter of :class:`~sae_env.policies.saecache.SAECachePolicy`:
   rate and its *miss-after-eviction* rate (regretted evictions, seen through the cache's ghost record), both per
   prompt reference, relative to the mean over the types present (a type that holds blocks but is never referenced,
   such as reasoning, gets a target of 0). ``w <- (1 - type_rate) * w + type_rate * target``;
-* **log-normal (mu, sigma)** of the chat and agent queues: streaming maximum likelihood from the re-access gaps of
-  each queue (the inter-turn gaps of its sessions): sufficient statistics ``n, sum ln g, sum ln^2 g`` decayed by
+* **log-normal (mu, sigma)** of the chat, agent and structural queues: streaming maximum likelihood from the
+  re-access gaps of each queue (the inter-turn gaps of its sessions; for the structural queue, the gaps between
+  uses of one shared prefix, measured when the policy ranks by hit density): sufficient statistics ``n, sum ln g, sum ln^2 g`` decayed by
   ``gap_decay`` per window, then ``mu = mean ln g``, ``sigma = std ln g``, with ``gap_prior`` pseudo-gaps at the
   current values (a gap is seen only when the next turn comes, so early windows see the short ones alone);
 * **position decay gamma**: the structural blocks' hit ratio by relative offset ``x`` (in 10 bins) is fitted by
@@ -120,11 +121,11 @@ class SAEOnlineLearner:
         if config is not None and overrides:
             raise ValueError("give an OnlineConfig or keyword overrides, not both")
         self.config = config or OnlineConfig(**overrides)
-        self._gaps = {CH: np.zeros(3), AG: np.zeros(3)}
+        self._gaps = {CH: np.zeros(3), AG: np.zeros(3), ST: np.zeros(3)}
         self.history: list[dict[str, float]] = []
 
     def reset(self) -> None:
-        self._gaps = {CH: np.zeros(3), AG: np.zeros(3)}
+        self._gaps = {CH: np.zeros(3), AG: np.zeros(3), ST: np.zeros(3)}
         self.history = []
 
     # -- the feedback loop ---------------------------------------------------------------------------------
@@ -152,7 +153,8 @@ class SAEOnlineLearner:
 
         gap_stats = stats.policy.get("gap_stats", {})
         for q, key, mu_name, sigma_name in ((CH, "chat", "mu_chat", "sigma_chat"),
-                                            (AG, "agent", "mu_agent", "sigma_agent")):
+                                            (AG, "agent", "mu_agent", "sigma_agent"),
+                                            (ST, "structural", "mu_structural", "sigma_structural")):
             window = np.asarray(gap_stats.get(key, (0, 0.0, 0.0)), dtype=np.float64)
             self._gaps[q] = cfg.gap_decay * self._gaps[q] + window
             n, s1, s2 = self._gaps[q]

@@ -35,9 +35,12 @@ from sae_env.sources import load_source
 from sae_env.trace import AppType, TokenType, Trace, TraceBuilder, chain_requests
 
 SERVER = "qwen2.5-1.5b@a40"
+# The paper's ranking and routing: alpha_q * w_type * p_q / dt, first requests routed by rule or predictor.
+PAPER = {"continuation": False, "density": False}
 ALL_OFF = {"type_weights": False, "adaptive_alpha": False, "lognormal": False, "position_decay": False,
-           "multi_queue": False, "predictor": False}
-SWITCHES = ("type_weights", "adaptive_alpha", "lognormal", "position_decay", "multi_queue")
+           "multi_queue": False, "predictor": False, "continuation": False, "density": False}
+SWITCHES = ("type_weights", "adaptive_alpha", "lognormal", "position_decay", "multi_queue", "continuation", "density",
+            "continuation_features", "pe_routing")
 T = TokenType
 
 
@@ -170,7 +173,12 @@ class Audit:
                     self.st_excess.append(kv[1] / kx[1] - 1.0)
         else:
             self.temporal_evictions += 1
-            if v is not ex:
+            # Under ``density`` a group's candidates are its oldest and newest blocks (the density rises, then
+            # falls, with idle time); blocks of one instant tie, and the newest candidate is the last of them, not
+            # the first; and where the density is flat in idle time (exponential gaps are memoryless) keys differ
+            # in rounding only. A victim of the least (PE flag, priority) up to rounding is exact up to ties.
+            tie = kv[0] == kx[0] and math.isclose(kv[1], kx[1], rel_tol=1e-9)
+            if v is not ex and not (p.switches["density"] and tie):
                 self.temporal_disagree.append((now, ex, kx, v, kv))
                 if self.strict:
                     raise AssertionError(f"t={now}: evicted {v!r} (key {kv}) but the exact victim is {ex!r} "
@@ -370,7 +378,7 @@ def test_structural_returned_blocks_all_compete_handbuilt():
           prompt_keys=[11, 12, 13, 14, 15], prompt_types=[T.TEMPLATE] * 4 + [T.USER])
     b.add(t=10.0, session=-1, turn=1, app=AppType.CHAT, prompt_tokens=3 * BS, output_tokens=0,
           prompt_keys=[21, 22, 23], prompt_types=[T.USER] * 3)
-    _, a = run(b.build(), 8, sample=10**6)
+    _, a = run(b.build(), 8, sample=10**6, **PAPER)
     assert a.victims[:2] == [3, 15]
     assert a.victims[2] == 14, f"evicted block {a.victims[2]}, the exact minimum is block 14"
 
@@ -492,7 +500,7 @@ def routing_trace() -> Trace:
 
 
 def test_routing_by_rule():
-    q = queues_after(routing_trace())
+    q = queues_after(routing_trace(), **PAPER)
     expect = {100: ST, 101: CH, 102: CH, 103: CH, 104: CH, 105: CH,  # chat: structural head, the rest chat
               200: ST, 201: ST, 202: AG, 203: AG, 204: AG, 205: AG,  # agent app -> agent queue from turn 1
               300: ST, 301: ST, 302: PE, 303: PE, 304: PE,  # templated first request -> single-turn -> PE
@@ -517,7 +525,7 @@ def test_routing_first_request_by_predictor(answer, threshold, expected):
         calls.append(i)
         return answer
 
-    q = queues_after(routing_trace(), predictor=predictor, continue_threshold=threshold)
+    q = queues_after(routing_trace(), predictor=predictor, continue_threshold=threshold, **PAPER)
     # first requests: the predictor decides for every non-structural block (reasoning outputs stay PE)
     for k in (101, 102, 202, 203, 302, 303, 304, 400, 401, 402, 500):
         assert q[k] == expected, k
@@ -532,7 +540,7 @@ def test_routing_first_request_by_predictor(answer, threshold, expected):
 
 
 def test_predictor_false_routes_by_rule():
-    assert queues_after(routing_trace(), predictor=False) == queues_after(routing_trace())
+    assert queues_after(routing_trace(), predictor=False, **PAPER) == queues_after(routing_trace(), **PAPER)
 
 
 def test_pe_blocks_are_evicted_first():
@@ -541,7 +549,7 @@ def test_pe_blocks_are_evicted_first():
     add(b, 0.0, 1, 1, AppType.CHAT, [(1, T.SYSTEM), (2, T.USER), (3, T.USER)], [(4, T.ASSISTANT)])
     add(b, 100.0, -1, 1, AppType.SINGLE_TURN, [(10, T.TEMPLATE), (11, T.USER), (12, T.USER)], [])
     add(b, 100.5, 3, 1, AppType.CHAT, [(20, T.USER), (21, T.USER)], [])
-    _, a = run(b.build(), 7)
+    _, a = run(b.build(), 7, **PAPER)
     assert a.victims == [12, 11]
 
 
@@ -587,7 +595,7 @@ CASES = [(CH, T.USER, 5.0, None), (CH, T.ASSISTANT, 40.0, None), (CH, T.USER, 0.
 @pytest.mark.parametrize("switch", [None, "type_weights", "adaptive_alpha", "lognormal", "position_decay"])
 def test_priority_formula(switch):
     opts = {} if switch is None else {switch: False}
-    policy = SAECachePolicy(params=PARAMS, **opts)
+    policy = SAECachePolicy(params=PARAMS, **opts, **PAPER)
     now = 100.0
     for q, t, dt, x in CASES:
         got = policy.priority(block(q, t, now - dt, x), now)
@@ -607,7 +615,7 @@ def test_priority_all_switches_off_is_recency():
 
 
 def test_set_params_changes_priority():
-    policy = SAECachePolicy()
+    policy = SAECachePolicy(**PAPER)
     b = block(CH, T.USER, 0.0)
     before = policy.priority(b, 10.0)
     policy.set_params({"alpha_ch": 4.0})
@@ -630,7 +638,7 @@ def test_set_params_clips_counts_and_rejects():
     with pytest.raises(ValueError):
         policy.set_params([1.0, 2.0])
     vec = [p.default for p in PARAM_SPECS]
-    vec[-1] = 100.0
+    vec[[p.name for p in PARAM_SPECS].index("gamma")] = 100.0
     assert policy.set_params(vec) == 1
     assert policy.params["gamma"] == specs["gamma"].high
     assert SAECachePolicy(params={"gamma": 0.0}).params["gamma"] == specs["gamma"].low
@@ -686,3 +694,112 @@ def test_window_stats_queue_counts():
     for b in r.cache.blocks.values():
         counts[b.queue] = counts.get(b.queue, 0) + 1
     assert counts == r.policy.occupancy_by_queue()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 6. The default ranking: continuation model and hit density
+
+
+def test_density_priority_matches_a_direct_computation():
+    """alpha_q * w_type * D, with D computed from its definition (scipy: the survival integral), p the centre of the
+    block's continuation bin, the horizon the policy's turnover time."""
+    from scipy.integrate import quad
+
+    policy = SAECachePolicy(params=PARAMS)
+    now, h = 500.0, policy.horizon
+    for q, t, dt, x, slot in [(CH, T.USER, 5.0, None, 20), (CH, T.ASSISTANT, 300.0, None, 3), (AG, T.TOOL_OUTPUT,
+                              1.5, None, 28), (ST, T.TEMPLATE, 40.0, 0.4, 0), (ST, T.SYSTEM, 2.0, 0.0, 0)]:
+        b = block(q, t, now - dt, x)
+        if q != ST:
+            b.pdata = q * 8 + t + saecache._SLOT * slot
+        mu, sigma = {CH: (PARAMS["mu_chat"], PARAMS["sigma_chat"]), AG: (PARAMS["mu_agent"], PARAMS["sigma_agent"]),
+                     ST: (3.4, 2.0)}[q]
+        p = saecache._slot_p(slot) if q != ST else policy._p_structural
+
+        def sf(y, mu=mu, sigma=sigma):
+            return lognorm.sf(y, s=sigma, scale=math.exp(mu))
+
+        s_now = sf(dt)
+        pi = p * s_now / (1 - p + p * s_now)
+        hit = pi * (s_now - sf(dt + h)) / s_now
+        held = pi * quad(lambda y, s_now=s_now, sf=sf: sf(y) / s_now, dt, dt + h, epsrel=1e-11)[0] + (1 - pi) * h
+        alpha = {ST: PARAMS["alpha_st"], CH: PARAMS["alpha_ch"], AG: PARAMS["alpha_ag"]}[q]
+        want = alpha * PARAMS[f"w_{TokenType(t).name.lower()}"] * hit / held
+        if q == ST:
+            want *= 1 - x ** PARAMS["gamma"]
+        assert policy.priority(b, now) == pytest.approx(want, rel=1e-6), (q, t, dt)
+
+
+def test_continuation_routing():
+    """With the continuation model, every request's non-structural blocks go to the chat or agent queue by its app
+    (no rule for first requests); reasoning outputs to PE, SYSTEM / TEMPLATE blocks to structural. With pe_routing
+    and a threshold above every probability, the temporal blocks go to PE instead."""
+    q = queues_after(routing_trace())
+    expect = {100: ST, 101: CH, 102: CH, 103: CH, 104: CH, 105: CH,
+              200: ST, 201: ST, 202: AG, 203: AG, 204: AG, 205: AG,
+              300: ST, 301: ST, 302: CH, 303: CH, 304: CH,  # templated first request: its probability decides
+              400: CH, 401: CH, 402: CH,
+              500: CH, 501: PE, 502: PE, 503: PE, 504: PE,
+              505: CH, 506: CH}
+    assert q == expect
+    q = queues_after(routing_trace(), pe_routing=True, continue_threshold=1.0)
+    assert {k for k, v in q.items() if v == PE} == {k for k, v in expect.items() if v in (CH, AG, PE)}
+
+
+def test_structural_gap_stats_match_the_trace():
+    """Under density, the structural queue's gaps are the times between uses of one shared prefix (the key ending a
+    request's leading SYSTEM / TEMPLATE run)."""
+    tr = templated_heavy()
+    r, _ = run(tr, 10_000, window_requests=7, audit=False)
+    last: dict[int, float] = {}
+    lg = []
+    for i in range(len(tr)):
+        keys, types = tr.prompt_blocks(i)
+        run_len = 0
+        while run_len < len(types) and types[run_len] <= T.TEMPLATE:
+            run_len += 1
+        if not run_len:
+            continue
+        key = int(keys[run_len - 1])
+        if key in last and tr.t[i] > last[key]:
+            lg.append(math.log(tr.t[i] - last[key]))
+        last[key] = float(tr.t[i])
+    got = np.sum([w.policy["gap_stats"]["structural"] for w in r.windows], axis=0)
+    assert got[0] == len(lg) > 20
+    assert got[1] == pytest.approx(sum(lg), rel=1e-9)
+    assert got[2] == pytest.approx(sum(x * x for x in lg), rel=1e-9)
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_decisions_never_read_the_future(timed):
+    """The default policy with its online learners, on the trace and on the trace cut after request k: the same hits
+    for every request before k (and, in instant mode, the same victims). Nothing a decision uses may come from a
+    later request: not the continuation model, the turnover time, the learners, nor anything bind() precomputes."""
+    from agents.sae_online import SAEOnlineLearner
+
+    trace = load_source("conversations", None)[0]
+    cap = max(1, int(0.05 * trace.distinct_blocks()))
+
+    def replay(tr):
+        policy = SAECachePolicy()
+        victims = []
+        inner = policy.evict
+
+        def evict(now):
+            v = inner(now)
+            if v is not None:
+                victims.append(v.key)
+            return v
+
+        policy.evict = evict
+        r = Replay(tr, PrefixCache(cap, policy), make_server(SERVER) if timed else None, window_requests=25,
+                   callbacks=[SAEOnlineLearner().callback()])
+        r.run()
+        return [h for w in r.windows for h in w.hits_per_request], victims
+
+    hits_full, victims_full = replay(trace)
+    for k in (100, 350):
+        hits_cut, victims_cut = replay(trace.take(np.arange(k)))
+        assert hits_cut == hits_full[:k], k
+        if not timed:
+            assert victims_cut == victims_full[:len(victims_cut)], k

@@ -62,16 +62,21 @@ def _templated():
                                 "mix": {"templated": 0.7, "chat": 0.3, "agent": 0.0}}])[0]
 
 
+# The paper's ranking (alpha_q * w_type * p_q / dt, first requests routed by rule or predictor): its decisions
+# have been pinned since before the hot path was optimised, and stay so.
+PAPER = {"continuation": False, "density": False}
+
 # name -> (trace factory, capacity as a fraction of distinct blocks or blocks, timed, learners, policy options)
 CASES = {
-    "wildchat_instant": (lambda: load_source("conversations", None)[0], 0.15, False, False, {}),
-    "wildchat_timed": (lambda: load_source("conversations", None)[0], 0.10, True, True, {}),
-    "heterogeneous": (lambda: load_source("synthetic", None, preset="heterogeneous")[0], 0.15, False, False, {}),
+    "wildchat_instant": (lambda: load_source("conversations", None)[0], 0.15, False, False, PAPER),
+    "wildchat_timed": (lambda: load_source("conversations", None)[0], 0.10, True, True, PAPER),
+    "heterogeneous": (lambda: load_source("synthetic", None, preset="heterogeneous")[0], 0.15, False, False,
+                      PAPER),
     "heterogeneous_learners": (lambda: load_source("synthetic", None, preset="heterogeneous")[0], 0.15, False,
-                               True, {}),
-    "taubench_timed": (lambda: load_source("taubench", None)[0], 0.05, True, True, {}),
+                               True, PAPER),
+    "taubench_timed": (lambda: load_source("taubench", None)[0], 0.05, True, True, PAPER),
     "templated_small": (_templated, 40, False, False,
-                        {"predictor": _predictor, "lognormal": False, "type_weights": False}),
+                        {**PAPER, "predictor": _predictor, "lognormal": False, "type_weights": False}),
 }
 
 

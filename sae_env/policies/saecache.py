@@ -54,6 +54,8 @@ import numpy as np
 
 from sae_env.cache import Block
 from sae_env.policies.base import EvictionPolicy, ParamSpec
+from sae_env.policies.continuation import ContinuationModel
+from sae_env.policies.survival import ExponentialGaps, LognormalGaps
 from sae_env.trace import N_TOKEN_TYPES, AppType, TokenType, Trace
 
 PE, ST, CH, AG = 0, 1, 2, 3
@@ -62,7 +64,13 @@ N_QUEUES = len(QUEUES)
 _SQRT2 = math.sqrt(2.0)
 _STRUCTURAL_TYPES = (TokenType.SYSTEM, TokenType.TEMPLATE)
 _COMPACT_MIN = 1 << 18  # released blocks before the first compaction of the recency lists (a few MB of entries)
-_CONSTANT, _LOGNORMAL, _EXPONENTIAL, _POSITION = range(4)  # kinds of survival term p_q
+_CONSTANT, _LOGNORMAL, _EXPONENTIAL, _POSITION, _DENSITY = range(5)  # kinds of ranking term (see _constants)
+# Continuation probabilities are binned on the logit scale: blocks of one bin share their ranking constants, so a
+# group (queue, type, bin) has one score function of the idle time (see _best).
+_BIN = 0.5  # bin width in logit units
+_LOGIT_MAX = 7.0  # bins cover p in [sigmoid(-7), sigmoid(7)] = [0.0009, 0.9991]
+_N_SLOTS = int(2 * _LOGIT_MAX / _BIN) + 1  # slots 1 .. _N_SLOTS; slot 0 = no continuation probability (p = 1)
+_SLOT = 64  # group id = queue * 8 + type + _SLOT * slot
 _REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)  # plain ints: enum lookups cost more
 
 # A session predictor answers, for a session's first request, (P(continues as chat), P(continues as agent)).
@@ -79,7 +87,23 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("mu_agent", -2.0, 10.0, 1.0, doc="log-normal mu of agent re-access gaps (ln s)"),
     ParamSpec("sigma_agent", 0.1, 4.0, 0.8, doc="log-normal sigma of agent re-access gaps"),
     ParamSpec("gamma", 0.05, 20.0, 1.0, log=True, doc="position decay power of structural blocks"),
+    ParamSpec("mu_structural", -2.0, 12.0, 3.4, doc="log-normal mu of structural re-access gaps (ln s)"),
+    ParamSpec("sigma_structural", 0.1, 4.0, 2.0, doc="log-normal sigma of structural re-access gaps"),
 )
+
+
+def _slot_of(p: float) -> int:
+    """The logit bin (1 .. _N_SLOTS) of a continuation probability."""
+    x = math.log(p / (1.0 - p)) if 0.0 < p < 1.0 else (_LOGIT_MAX if p >= 1.0 else -_LOGIT_MAX)
+    x = min(max(x, -_LOGIT_MAX), _LOGIT_MAX)
+    return 1 + int(round((x + _LOGIT_MAX) / _BIN))
+
+
+def _slot_p(slot: int) -> float:
+    """The continuation probability a bin stands for (its centre); slot 0 = 1."""
+    if slot == 0:
+        return 1.0
+    return 1.0 / (1.0 + math.exp(-((slot - 1) * _BIN - _LOGIT_MAX)))
 
 
 class _RecencyList:
@@ -106,7 +130,8 @@ class SAECachePolicy(EvictionPolicy):
 
     def __init__(self, *, type_weights: bool = True, adaptive_alpha: bool = True, lognormal: bool = True,
                  position_decay: bool = True, multi_queue: bool = True, predictor: Predictor | bool | None = None,
-                 continue_threshold: float = 0.5, sample: int = 8, min_dt: float = 1e-3,
+                 continuation: bool = True, density: bool = True, continuation_features: bool = True,
+                 pe_routing: bool = False, continue_threshold: float = 0.5, sample: int = 8, min_dt: float = 1e-3,
                  params: dict[str, float] | None = None) -> None:
         super().__init__()
         if sample < 1:
@@ -115,30 +140,63 @@ class SAECachePolicy(EvictionPolicy):
             raise ValueError(f"saecache: min_dt must be positive, got {min_dt}")
         self.switches = {"type_weights": bool(type_weights), "adaptive_alpha": bool(adaptive_alpha),
                          "lognormal": bool(lognormal), "position_decay": bool(position_decay),
-                         "multi_queue": bool(multi_queue), "predictor": predictor is not False}
+                         "multi_queue": bool(multi_queue), "predictor": predictor is not False,
+                         "continuation": bool(continuation), "density": bool(density),
+                         "continuation_features": bool(continuation_features), "pe_routing": bool(pe_routing)}
         self._multi, self._typed = self.switches["multi_queue"], self.switches["type_weights"]  # hot-path copies
+        self._continuation, self._density = self.switches["continuation"], self.switches["density"]
         self.predictor: Predictor | None = predictor if callable(predictor) else None
         self.continue_threshold = continue_threshold
         self.sample = int(sample)
         self.min_dt = float(min_dt)
-        self._lists: dict[int, _RecencyList] = {}  # group (queue * 8 + type) -> recency list
+        self._model = (ContinuationModel(features=continuation_features, predictor=self.predictor)
+                       if self._continuation else None)
+        self._lists: dict[int, _RecencyList] = {}  # group (queue * 8 + type + _SLOT * slot) -> recency list
         self._returned: dict[int, list[tuple[int, int, Block]]] = {}  # group -> heap of (stamp, key, block)
+        self._returned_new: dict[int, list[tuple[int, int, Block]]] = {}  # same blocks, newest first (-stamp)
         self._compact_at = _COMPACT_MIN  # the release count at which the lists are compacted next
         # Best candidate per group, valid while no block is acquired or released and the clock stands still: the
         # evictions of one insertion run reuse it and refresh only the groups they touched.
         self._cand: dict[int, tuple[int, float, int, int, Block]] = {}  # see _best
         self._cand_now: float | None = None
+        # The candidates behind each group's best, with their stamps: at a new instant a group whose candidates are
+        # all still valid (same stamp, unpinned, leaves) and that nothing was added to (_dirty) is only
+        # rescored, not scanned again. Acquires and releases mark the candidates _stale (to be validated).
+        self._held: dict[int, list[tuple[Block, int]]] = {}
+        self._stale = False
+
+        self._memo: dict[tuple[int, float], float] = {}  # (group, release time) -> score at _memo_now
+        self._memo_now: float | None = None
         self._dirty: set[int] = set()
+        # The next victim when an insertion run keeps evicting up one path (nearly every eviction): the parent of
+        # the last victim, released right after it into the same group (see evict). Its on_leaf push is deferred.
+        self._next_up: Block | None = None
+        self._next_stamp = 0
+        self._deferred: Block | None = None
         self._released = 0
         # request context, set by on_request / on_complete
         self._prompt_queue = PE  # queue of the current request's non-structural prompt blocks
         self._output_queue = PE  # queue of its non-reasoning output blocks
+        self._slot = 0  # continuation bin of the current request (0: none)
         self._n_prompt = 1
+        self._now = 0.0  # latest arrival
         self._sessions: dict[int, tuple[float, int]] = {}  # session -> (last arrival, queue of its blocks)
-        self._inflight: dict[int, int] = {}  # request -> the queue chosen at its arrival (until it completes)
+        self._inflight: dict[int, tuple[int, int]] = {}  # request -> (queue, slot) chosen at its arrival
         self._output_reasoning = False  # the completing request's output holds reasoning
         self._occupancy = [0] * N_QUEUES
         self._facts_of: Trace | None = None  # the trace whose per-request facts are cached (see _learn_trace)
+        # Shared prefixes (the structural queue under ``density``): when each was last used, how often a use was
+        # followed by another one (its continuation rate, counted as LPC counts turns).
+        self._prefix_last: dict[int, float] = {}
+        self._prefix_uses = 0
+        self._prefix_reused = 0
+        self._p_structural = 0.5
+        # The cache's turnover time (capacity / blocks inserted per second): how long a block stays anyway, the
+        # horizon of the hit density. Before the first measurement, the chat queue's mean gap.
+        self._horizon: float | None = None
+        self._ins_rate: float | None = None
+        self._window_inserted = 0
+        self._window_t0: float | None = None
         self.reset_window()
         if params:
             self.set_params(params)
@@ -151,18 +209,27 @@ class SAECachePolicy(EvictionPolicy):
         ones = [1.0] * N_QUEUES
         self._alpha = ([1.0, p["alpha_st"], p["alpha_ch"], p["alpha_ag"]] if sw["adaptive_alpha"] else ones)
         self._w = ([p[f"w_{t.name.lower()}"] for t in TokenType] if sw["type_weights"] else [1.0] * N_TOKEN_TYPES)
-        self._ln = {CH: (p["mu_chat"], p["sigma_chat"]), AG: (p["mu_agent"], p["sigma_agent"])}
+        self._ln = {CH: (p["mu_chat"], p["sigma_chat"]), AG: (p["mu_agent"], p["sigma_agent"]),
+                    ST: (p["mu_structural"], p["sigma_structural"])}
         self._exp_mean = {q: math.exp(mu + s * s / 2) for q, (mu, s) in self._ln.items()}
+        self._gaps = {q: (LognormalGaps(mu, s) if sw["lognormal"] else ExponentialGaps(self._exp_mean[q]))
+                      for q, (mu, s) in self._ln.items()}
         self._gamma = p["gamma"]
-        # per queue * 8 + type: (PE flag, survival kind, its two constants, alpha * w), see _survival
-        self._consts: dict[int, tuple[int, int, float, float, float]] = {}
+        # per group: (PE flag, ranking kind, its two constants, alpha * w), see _constants
+        self._consts: dict[int, tuple[int, int, Any, Any, float]] = {}
         self._cand_now = None
+        self._memo_now = None
 
-    def _constants(self, q: int, t: int) -> tuple[int, int, float, float, float]:
-        c = self._consts.get(q * 8 + t)
+    def _constants(self, g: int) -> tuple[int, int, Any, Any, float]:
+        c = self._consts.get(g)
         if c is None:
             sw = self.switches
-            if q == CH or q == AG:
+            base = g & (_SLOT - 1)
+            q, t = base >> 3, base & 7
+            if self._density and q != PE:
+                p = self._p_structural if q == ST else _slot_p(g // _SLOT)
+                kind, c1, c2 = _DENSITY, self._gaps[q], p
+            elif q == CH or q == AG:
                 mu, sigma = self._ln[q]
                 kind, c1, c2 = (_LOGNORMAL, mu, sigma * _SQRT2) if sw["lognormal"] else (_EXPONENTIAL,
                                                                                          self._exp_mean[q], 0.0)
@@ -171,12 +238,23 @@ class SAECachePolicy(EvictionPolicy):
             else:
                 kind, c1, c2 = _CONSTANT, 0.0, 0.0
             flag = 0 if (q == PE and sw["multi_queue"]) else 1
-            c = self._consts[q * 8 + t] = (flag, kind, c1, c2, self._alpha[q] * self._w[t])
+            c = self._consts[g] = (flag, kind, c1, c2, self._alpha[q] * self._w[t])
         return c
+
+    def _rank(self, kind: int, c1: Any, c2: Any, dt: float, b: Block) -> float:
+        """The ranking term of block ``b`` idle ``dt`` seconds, before ``alpha_q * w_type``; lowest goes first."""
+        if kind == _DENSITY:
+            d = c1.density(c2, dt, self.horizon)
+            if b.queue == ST and self.switches["position_decay"]:
+                d *= 1.0 - b.pdata ** self._gamma
+            return d
+        return _survival(kind, c1, c2, dt, b.pdata) / dt
 
     # -- routing ---------------------------------------------------------------------------------------------
     def bind(self, trace: Trace) -> None:
         self._learn_trace(trace)
+        if self._model is not None:
+            self._model.bind(trace)
 
     def _learn_trace(self, trace: Trace) -> None:
         """Per-request facts the hooks need, as Python lists: reading them from numpy per request costs more."""
@@ -187,6 +265,7 @@ class SAECachePolicy(EvictionPolicy):
         self._n_prompt_of = np.maximum(np.diff(trace.prompt_offsets), 1).tolist()
         self._templated_of = _any_per_request(trace.prompt_types == TokenType.TEMPLATE, trace.prompt_offsets)
         self._reasoning_of = _any_per_request(trace.output_types == TokenType.REASONING, trace.output_offsets)
+        self._prefix_of = _structural_prefix_end(trace)
 
     def _session_queue(self, trace: Trace, i: int) -> int:
         """Queue of a request's temporal blocks: CH / AG for (predicted) multi-turn sessions, else PE."""
@@ -195,7 +274,7 @@ class SAECachePolicy(EvictionPolicy):
         if trace is not self._facts_of:
             self._learn_trace(trace)
         app, turn = self._app_of[i], self._turn_of[i]
-        if turn > 1:
+        if self._continuation or turn > 1:
             return AG if app == AppType.AGENT else CH
         if self.predictor is not None:
             p_chat, p_agent = self.predictor(trace, i)
@@ -210,10 +289,21 @@ class SAECachePolicy(EvictionPolicy):
 
     def on_request(self, trace: Trace, i: int, now: float) -> None:
         if trace is not self._facts_of:
-            self._learn_trace(trace)
+            self.bind(trace)
+        self._now = now
+        if self._window_t0 is None:
+            self._window_t0 = now
         q = self._session_queue(trace, i)
-        self._inflight[i] = q
+        slot = 0
+        if self._model is not None:
+            p = self._model.arrive(i, now)
+            if self.switches["pe_routing"] and self._multi and p < self.continue_threshold:
+                q = PE
+            if self._density:
+                slot = _slot_of(p)
+        self._inflight[i] = (q, slot)
         self._prompt_queue = self._output_queue = q
+        self._slot = slot
         self._n_prompt = self._n_prompt_of[i]
         s = self._session_of[i]
         if s >= 0:
@@ -221,21 +311,36 @@ class SAECachePolicy(EvictionPolicy):
             if last is not None and q in (CH, AG):
                 gap = now - last[0]
                 if gap > 0:
-                    lg = math.log(gap)
-                    st = self._gap_stats[q]
-                    st[0] += 1
-                    st[1] += lg
-                    st[2] += lg * lg
+                    self._add_gap(q, gap)
             self._sessions[s] = (now, q)
+        if self._density:
+            key = self._prefix_of[i]
+            if key is not None:
+                self._prefix_uses += 1
+                last_use = self._prefix_last.get(key)
+                if last_use is not None:
+                    self._prefix_reused += 1
+                    if now > last_use:
+                        self._add_gap(ST, now - last_use)
+                self._prefix_last[key] = now
+
+    def _add_gap(self, q: int, gap: float) -> None:
+        lg = math.log(gap)
+        st = self._gap_stats[q]
+        st[0] += 1
+        st[1] += lg
+        st[2] += lg * lg
 
     def on_complete(self, trace: Trace, i: int, now: float) -> None:
         if trace is not self._facts_of:
-            self._learn_trace(trace)
+            self.bind(trace)
         # A generation that opens with reasoning, which the next turn's template drops: every block of this output
         # (the answer too) lies on a branch no later prompt follows.
         self._output_reasoning = self._reasoning_of[i]
-        q = self._inflight.pop(i, None)
-        self._output_queue = self._session_queue(trace, i) if q is None else q
+        ctx = self._inflight.pop(i, None)
+        if ctx is None:
+            ctx = (self._session_queue(trace, i), self._slot)
+        self._output_queue, self._slot = ctx
         self._n_prompt = self._n_prompt_of[i]
 
     def on_insert(self, block: Block, now: float) -> None:
@@ -252,9 +357,12 @@ class SAECachePolicy(EvictionPolicy):
             q = self._output_queue if output else self._prompt_queue
         block.queue = q
         self._occupancy[q] += 1
+        self._window_inserted += 1
 
     # -- recency lists -----------------------------------------------------------------------------------------
     def _group(self, b: Block) -> int:
+        if (b.queue == CH or b.queue == AG) and b.pdata is not None:
+            return b.pdata  # set at the block's release: its releasing request's continuation bin
         return b.queue * 8 + (b.type if self._typed else 0)
 
     def _list(self, g: int) -> _RecencyList:
@@ -266,34 +374,45 @@ class SAECachePolicy(EvictionPolicy):
     def on_acquire(self, blocks: list[Block]) -> None:
         # Nothing per block: a pinned block's list or heap entry is dead (pins > 0) and its release appends a new
         # one. Only the cached candidates may be pinned now.
-        self._cand_now = None
+        self._flush()
+        self._stale = True
 
     def on_release(self, blocks: list[Block], now: float) -> None:
         """Stamp every released block; list only the ones a scan can need.
 
-        * Chat, agent and PE groups (one candidate: the oldest evictable block) list the blocks that are leaves
-          when released: in a release only the deepest block can be, as every other one has its path child. The
-          others are parked from the start: an unpinned block gains no child, so it becomes evictable only through
-          on_leaf, which puts it in the returned-heap. The group's oldest evictable block is the older of the
-          list head and the heap top, whichever way the parked blocks were placed, and it is the group's victim
-          (its priority falls with idle time), so the victims are the ones of a list holding every block.
+        * Chat, agent and PE groups (candidates: the oldest evictable block, and under ``density`` the newest) list
+          the blocks that are leaves when released: in a release only the deepest block can be, as every other one
+          has its path child. The others are parked from the start: an unpinned block gains no child, so it becomes
+          evictable only through on_leaf, which puts it in the returned-heaps. The group's oldest (newest)
+          evictable block is the older (newer) of the list's end and the heap's top, whichever way the parked
+          blocks were placed, so the candidates are the ones of a list holding every block.
         * Structural groups list every released block: their sample is the first ``sample`` leaves of the list,
           and which blocks those are depends on where the inner nodes sit, so an inner node is parked only when a
           scan meets it (see _structural_candidates).
+
+        A chat or agent block's group carries the releasing request's continuation bin (``pdata``).
         """
-        self._cand_now = None
+        self._flush()
+        self._stale = True
         tw = self._typed
+        slot = self._slot * _SLOT
         seq = self._released
+        dirty = self._dirty
         last_g, stamps, members = -1, None, None
         for b in blocks:
             seq += 1
             b.stamp = seq
-            if b.queue == ST or not b.n_children:
-                g = b.queue * 8 + (b.type if tw else 0)
+            q = b.queue
+            g = q * 8 + (b.type if tw else 0)
+            if q == CH or q == AG:
+                g += slot
+                b.pdata = g
+            if q == ST or not b.n_children:
                 if g != last_g:  # a request's blocks come in long runs of one group: one lookup per run
                     last_g = g
                     lst = self._list(g)
                     stamps, members = lst.stamps, lst.blocks
+                    dirty.add(g)
                 stamps.append(seq)
                 members.append(b)
         self._released = seq
@@ -303,17 +422,38 @@ class SAECachePolicy(EvictionPolicy):
     def on_leaf(self, block: Block) -> None:
         if block.pins:
             return  # listed again when released
+        if block is self._next_up:
+            self._deferred = block  # evict will most likely take it next: push it only if it does not
+            return
+        self._flush()
+        self._return(block)
+
+    def _flush(self) -> None:
+        """Push the deferred block (see on_leaf) where it belongs, if it is still evictable."""
+        b = self._deferred
+        if b is not None:
+            self._deferred = None
+            if b.stamp and not b.pins and not b.n_children:
+                self._return(b)
+
+    def _return(self, block: Block) -> None:
+        """An unpinned block became a leaf: it competes again, in its group's returned-heaps."""
         s = block.stamp
         if block.queue == ST:
             if s > 0:
                 return  # still in its list, where it is now a leaf
             s = block.stamp = -s  # parked by a scan: it competes again with its release stamp
-        g = block.queue * 8 + (block.type if self._typed else 0)
+        g = self._group(block)
         heap = self._returned.get(g)
         if heap is None:
             heap = self._returned[g] = []
             self._list(g)  # evict's full refresh walks the groups that have a list
         heapq.heappush(heap, (s, block.key, block))
+        if self._density and block.queue != ST:
+            newest = self._returned_new.get(g)
+            if newest is None:
+                newest = self._returned_new[g] = []
+            heapq.heappush(newest, (-s, block.key, block))
         self._dirty.add(g)
 
     def on_hit(self, blocks: list[Block], now: float) -> None:
@@ -328,25 +468,33 @@ class SAECachePolicy(EvictionPolicy):
         as many releases as entries survived the last compaction (at least ``_COMPACT_MIN``): amortised O(1) per
         released block, as each released block appends at most one entry.
         """
+        self._flush()
         kept = 0
         for g, lst in self._lists.items():
             live = lst.live()
             self._lists[g] = _RecencyList((s for s, _ in live), (b for _, b in live))
             kept += len(live)
-        for g, heap in self._returned.items():
-            valid = [e for e in heap if e[2].stamp == e[0] and not e[2].pins and not e[2].n_children]
-            heapq.heapify(valid)
-            self._returned[g] = valid
+        for heaps, sign in ((self._returned, 1), (self._returned_new, -1)):
+            for g, heap in heaps.items():
+                valid = [e for e in heap if e[2].stamp == sign * e[0] and not e[2].pins and not e[2].n_children]
+                heapq.heapify(valid)
+                heaps[g] = valid
         self._compact_at = self._released + max(2 * kept, _COMPACT_MIN)
 
     # -- priority and eviction -----------------------------------------------------------------------------------
     def priority(self, b: Block, now: float) -> float:
-        """``alpha_q * w_type * p_q / dt`` at time ``now``."""
+        """``alpha_q * w_type`` times the block's ranking term at time ``now`` (lowest evicted first): its hit
+        density under ``density`` (chat, agent, structural), else the paper's ``p_q / dt``."""
         dt = now - b.last_access
         if dt < self.min_dt:
             dt = self.min_dt
-        _, kind, c1, c2, coef = self._constants(b.queue, b.type)
-        return coef * _survival(kind, c1, c2, dt, b.pdata) / dt
+        _, kind, c1, c2, coef = self._constants(self._group(b))
+        if kind == _DENSITY:  # the operations of _least, in its order, so that both give the same float
+            score = coef * c1.density(c2, dt, self.horizon)
+            if b.queue == ST and self.switches["position_decay"]:
+                score *= 1.0 - b.pdata ** self._gamma
+            return score
+        return coef * self._rank(kind, c1, c2, dt, b)
 
     def _oldest_returned(self, g: int, want: int) -> list[Block]:
         """The ``want`` oldest evictable blocks of group ``g``'s returned-heap (stale entries dropped)."""
@@ -397,20 +545,54 @@ class SAECachePolicy(EvictionPolicy):
                 break
         stamps.extendleft([b.stamp for b in reversed(leaves)])  # the leaves walked over go back in front
         members.extendleft(reversed(leaves))
+        if self._density:  # the hit density may rise with idle time: the newest leaf competes too
+            for s, b in zip(reversed(stamps), reversed(members), strict=True):
+                if b.stamp == s and not b.pins:
+                    if not b.n_children and b not in leaves:
+                        leaves.append(b)
+                    break
         return leaves + self._oldest_returned(g, want)
+
+    def _newest(self, g: int, lst: _RecencyList) -> Block | None:
+        """Group ``g``'s most recently released evictable block: the newer of its list's tail and the top of its
+        newest-first returned-heap (dead entries dropped from both)."""
+        stamps, members = lst.stamps, lst.blocks
+        best = None
+        while stamps:
+            b = members[-1]
+            if b.stamp == stamps[-1] and not b.pins:  # live, hence a leaf
+                best = b
+                break
+            stamps.pop()
+            members.pop()
+        heap = self._returned_new.get(g)
+        while heap:
+            s, _, b = heap[0]
+            if b.stamp == -s and not b.pins and not b.n_children:
+                if best is None or b.stamp > best.stamp:
+                    best = b
+                break
+            heapq.heappop(heap)
+        return best
 
     def _best(self, g: int, now: float) -> tuple[int, float, int, int, Block] | None:
         """Group ``g``'s candidate of least (PE flag, priority, release stamp) at ``now``, as that key + (g, it).
 
         One flat tuple: ``evict`` takes the least over the groups, and release stamps are unique, so tuples
-        compare on the key alone (the block is never compared)."""
-        # Without type weights a group holds every type of its queue, all with w = 1: one set of constants.
-        flag, kind, c1, c2, coef = self._consts.get(g) or self._constants(g >> 3, g & 7)
-        if g >> 3 == ST:
+        compare on the key alone (the block is never compared). The candidates are kept in ``_held``."""
+        cands = self._candidates(g)
+        self._held[g] = [(b, b.stamp) for b in cands]
+        return self._least(g, cands, now)
+
+    def _candidates(self, g: int) -> list[Block]:
+        """The blocks of group ``g`` that can hold its least key (see on_release and _structural_candidates)."""
+        kind = (self._consts.get(g) or self._constants(g))[1]
+        if (g & (_SLOT - 1)) >> 3 == ST:
             cands = self._structural_candidates(g, self.sample)
         else:
             # A chat, agent or PE group's oldest evictable block is the older of its list head and its heap top
-            # (see on_release); both compete, as the first leaf of a list and its heap top always did.
+            # (see on_release); both compete, as the first leaf of a list and its heap top always did. Under
+            # ``density`` the newest competes too: the density rises, then falls, with idle time (survival.py).
             cands = []
             lst = self._lists[g]
             stamps, members = lst.stamps, lst.blocks
@@ -428,26 +610,81 @@ class SAECachePolicy(EvictionPolicy):
                     cands.append(b)
                     break
                 heapq.heappop(heap)
+            if kind == _DENSITY and cands:
+                b = self._newest(g, lst)
+                if b is not None and b not in cands:
+                    cands.append(b)
+        return cands
+
+    def _least(self, g: int, cands: list[Block], now: float) -> tuple[int, float, int, int, Block] | None:
+        """The least key of ``cands`` (blocks of group ``g``) at ``now``."""
+        flag, kind, c1, c2, coef = self._consts.get(g) or self._constants(g)
         min_dt = self.min_dt
         best = None
+        # Blocks a request released together share their idle time, so one density evaluation per (group, release
+        # time) serves the whole run of evictions at this instant (structural blocks then weigh it by offset).
+        memo = self._memo if kind == _DENSITY else None
+        decay = self._gamma if (g & (_SLOT - 1)) >> 3 == ST and self.switches["position_decay"] else None
         for b in cands:  # the priority() formula, with the group's constants
-            dt = now - b.last_access
-            if dt < min_dt:
-                dt = min_dt
-            key = (flag, coef * _survival(kind, c1, c2, dt, b.pdata) / dt, b.stamp, g, b)
+            if memo is not None:
+                score = memo.get((g, b.last_access))
+                if score is None:
+                    dt = now - b.last_access
+                    score = memo[(g, b.last_access)] = coef * c1.density(c2, dt if dt > min_dt else min_dt,
+                                                                           self.horizon)
+                if decay is not None:
+                    score *= 1.0 - b.pdata ** decay
+            else:
+                dt = now - b.last_access
+                if dt < min_dt:
+                    dt = min_dt
+                score = coef * self._rank(kind, c1, c2, dt, b)
+            key = (flag, score, b.stamp, g, b)
             if best is None or key < best:
                 best = key
         return best
 
     def evict(self, now: float) -> Block | None:
+        up = self._next_up
+        if up is not None:
+            self._next_up = None
+            # The last victim's parent, released right after it into its group (same constants, same idle time,
+            # hence the same score) and a leaf now: its key is the last victim's but for the next stamp, and every
+            # other candidate's key was above the last victim's with a stamp that is not this one, so it is the
+            # least key: the exact victim without a scan. Any acquire, release or clock change voids _cand_now.
+            if self._cand_now == now and not self._stale and up.stamp == self._next_stamp and not up.pins \
+                    and not up.n_children:
+                if self._deferred is up:
+                    self._deferred = None
+                return self._take(up, up.stamp)
+        self._flush()
         cand = self._cand
-        if self._cand_now != now:
-            cand.clear()
+        if self._cand_now != now or self._stale:
+            # A new instant (every key moves) or acquires and releases since the last eviction (candidates may have
+            # been pinned, re-released or joined): groups something was added to, or whose candidates changed, are
+            # scanned again; the others keep their candidates, rescored at a new instant.
+            rescore = self._cand_now != now
+            if rescore and self._memo_now != now:
+                self._memo.clear()
+                self._memo_now = now
+            dirty, held = self._dirty, self._held
             for g in self._lists:
-                best = self._best(g, now)
-                if best is not None:
+                cb = held.get(g)
+                # A structural scan parks the inner nodes it meets, so a second scan samples further: it runs at
+                # every instant, as it always did.
+                if g in dirty or cb is None or (rescore and (g & (_SLOT - 1)) >> 3 == ST) \
+                        or any(b.stamp != s or b.pins or b.n_children for b, s in cb):
+                    best = self._best(g, now)
+                elif rescore:
+                    best = self._least(g, [b for b, _ in cb], now)
+                else:
+                    continue
+                if best is None:
+                    cand.pop(g, None)
+                else:
                     cand[g] = best
             self._cand_now = now
+            self._stale = False
         else:
             for g in self._dirty:
                 best = self._best(g, now)
@@ -461,12 +698,22 @@ class SAECachePolicy(EvictionPolicy):
         best = min(cand.values())
         g, victim = best[3], best[4]
         del cand[g]
-        self._occupancy[victim.queue] -= 1
-        victim.stamp = 0  # its list or heap entry is dead now
         self._dirty.add(g)
+        return self._take(victim, victim.stamp)
+
+    def _take(self, victim: Block, stamp: int) -> Block:
+        """Forget the victim (its list or heap entry is dead now) and note its parent as the likely next one."""
+        self._occupancy[victim.queue] -= 1
+        victim.stamp = 0
+        parent = victim.parent
+        if parent is not None and victim.queue != ST and parent.queue == victim.queue \
+                and self._group(parent) == self._group(victim):
+            self._next_up = parent
+            self._next_stamp = stamp + 1
         return victim
 
     def _evictable(self) -> list[Block]:
+        self._flush()
         listed = [b for lst in self._lists.values() for _, b in lst.live() if not b.n_children]
         returned = [e[2] for heap in self._returned.values() for e in heap
                     if e[2].stamp == e[0] and not e[2].pins and not e[2].n_children]
@@ -482,22 +729,57 @@ class SAECachePolicy(EvictionPolicy):
 
     # -- statistics for the learners -----------------------------------------------------------------------------
     def reset_window(self) -> None:
+        """Start a window: the window's counts start over, and the online estimates (continuation model, shared
+        prefixes' reuse rate, the cache's turnover time) are refitted from everything observed so far."""
+        self._flush()
         self._queue_hits = [0] * N_QUEUES
-        # per queue: [n, sum ln gap, sum ln^2 gap] of session inter-turn gaps (re-access gaps of its blocks)
-        self._gap_stats = {CH: [0, 0.0, 0.0], AG: [0, 0.0, 0.0]}
+        # per queue: [n, sum ln gap, sum ln^2 gap] of re-access gaps: session inter-turn gaps (chat, agent), gaps
+        # between uses of a shared prefix (structural)
+        self._gap_stats = {CH: [0, 0.0, 0.0], AG: [0, 0.0, 0.0], ST: [0, 0.0, 0.0]}
+        if self.cache is None or self._window_t0 is None:
+            return
+        now = self._now
+        elapsed = now - self._window_t0
+        if elapsed > 0 and self._window_inserted:
+            rate = self._window_inserted / elapsed
+            self._ins_rate = rate if self._ins_rate is None else 0.7 * self._ins_rate + 0.3 * rate
+            self._window_inserted = 0
+            self._window_t0 = now
+        if self._ins_rate:
+            self._horizon = self.cache.capacity / self._ins_rate
+        if self._density:
+            self._p_structural = (self._prefix_reused + 1.0) / (self._prefix_uses + 2.0)
+        if self._model is not None:
+            self._model.update(now, (self._gaps[CH], self._gaps[AG]))
+        self._consts.clear()
+        self._cand_now = None
+        self._memo_now = None
+
+    @property
+    def horizon(self) -> float:
+        """The hit density's horizon: the cache's turnover time (s), or the chat queue's mean gap before any
+        measurement."""
+        return self._horizon if self._horizon is not None else self._exp_mean[CH]
 
     def occupancy_by_queue(self) -> dict[int, int]:
         return {q: n for q, n in enumerate(self._occupancy) if n}
 
     def window_stats(self) -> dict[str, Any]:
-        return {"queue_hits": list(self._queue_hits), "queue_occupancy": list(self._occupancy),
-                "gap_stats": {QUEUES[q]: list(v) for q, v in self._gap_stats.items()},
-                "params": self.params}
+        out = {"queue_hits": list(self._queue_hits), "queue_occupancy": list(self._occupancy),
+               "gap_stats": {QUEUES[q]: list(v) for q, v in self._gap_stats.items()},
+               "params": self.params}
+        if self._density:
+            out["horizon_s"] = self.horizon
+            out["p_structural"] = self._p_structural
+        if self._model is not None:
+            out["continuation"] = self._model.stats()
+        return out
 
     def check_invariants(self) -> None:
         """Every unpinned block is in exactly one place: live in its group's list, valid in its group's
         returned-heap, or parked (an inner node: a structural one with its stamp negated by a scan, any other one
         unlisted since its release)."""
+        self._flush()
         blocks = self.cache.blocks
         placed: set[int] = set()
 
@@ -519,6 +801,11 @@ class SAECachePolicy(EvictionPolicy):
             for s, _, b in heap:
                 if b.stamp == s and not b.pins and not b.n_children:
                     place(g, b, "returned-heap")
+        for g, heap in self._returned_new.items():
+            for s, _, b in heap:
+                if b.stamp == -s and not b.pins and not b.n_children and (b.key not in placed
+                                                                          or self._group(b) != g):
+                    raise RuntimeError(f"saecache: {b!r} is in the newest-first heap of group {g} only")
         stamps: set[int] = set()
         for k, b in blocks.items():
             if b.pins:
@@ -547,6 +834,20 @@ def _survival(kind: int, c1: float, c2: float, dt: float, x: float | None) -> fl
     if kind == _POSITION:  # c1 = gamma, x = the block's relative offset
         return 1.0 - x ** c1
     return 1.0
+
+
+def _structural_prefix_end(trace: Trace) -> list[int | None]:
+    """Per request, the key of the last block of its leading run of SYSTEM / TEMPLATE blocks (its shared prefix),
+    or None: uses of one shared prefix are the re-accesses the structural queue's gap distribution describes."""
+    offsets = trace.prompt_offsets
+    lengths = np.diff(offsets)
+    req_of = np.repeat(np.arange(len(trace), dtype=np.int64), lengths)
+    pos = np.arange(trace.n_blocks, dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+    run = lengths.astype(np.int64)  # the leading run ends at the first non-structural block
+    other = np.flatnonzero(trace.prompt_types > _TEMPLATE)
+    np.minimum.at(run, req_of[other], pos[other])
+    keys = trace.prompt_keys
+    return [int(keys[offsets[i] + r - 1]) if r > 0 else None for i, r in enumerate(run.tolist())]
 
 
 def _any_per_request(flags: np.ndarray, offsets: np.ndarray) -> list[bool]:

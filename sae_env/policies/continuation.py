@@ -1,0 +1,258 @@
+"""Will this session send another request? A continuation model learned online from the replay's own past.
+
+SAECache's session predictor (the paper's) answers at a session's first request only; this model answers at every
+request, from what a server sees when it arrives, and learns from the continuations the replay has already
+observed. It never reads the future: a request's label is known only when its session's next request arrives
+(continued) or when the session has been idle past a horizon (ended); until then it is *censored* (pending).
+
+Model. ``logit p_i = logit r_k(i) + beta . z_i``:
+
+* ``r_k``: the continuation rate of requests at turn ``k`` (turns ``max_turn`` and beyond pooled), a Beta(1, 1)
+  posterior mean over the labelled requests of that turn plus the pending ones, each pending request counted by the
+  posterior that its session is still alive after idling ``c``: ``r S(c) / (1 - r + r S(c))`` with ``S`` the
+  log-normal gap survival of its queue (the EM step of a cure-rate model, repeated a few times at each update).
+  This corrects the bias of counting a session that has not come back *yet* as ended (which LPC's counting has).
+  The counts move at every arrival (a new request is pending with weight ``r``, a continued one becomes a label),
+  the soft weights are recomputed at each :meth:`update` (once a window).
+* ``beta``: a logistic correction on features ``z_i`` (below), fitted by a few Newton steps with an L2 penalty on
+  the latest labelled and pending requests (soft labels for the pending ones), the turn rate as offset. With little
+  data the penalty keeps ``beta`` near 0, so the model starts as the per-turn rates.
+
+Features (known at arrival; none depends on a later request): prompt length, tokens new since the session's
+previous request, the gap since that request, the prompt's token-type mix (user / assistant / tool output /
+system + template shares), whether the request carries tool schemas (``app == AGENT``; other app labels are not
+used, as hash-only and conversation sources derive them from the session's whole length), and, when a session
+predictor is given, its logit for first requests (the pre-trained predictor as a prior).
+
+The horizon is ``exp(mu + horizon_sigmas * sigma)`` of the queue's gap distribution: a session idle that long is
+taken as ended (with ``horizon_sigmas = 3``, 0.13 % of log-normal gaps are longer).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from sae_env.policies.survival import LognormalGaps
+from sae_env.trace import AppType, TokenType, Trace
+
+__all__ = ["ContinuationModel"]
+
+_N_FEATURES = 9
+_EM_STEPS = 3
+_NEWTON_STEPS = 3
+_P_CLIP = 1e-3
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1.0 - p))
+
+
+class ContinuationModel:
+    """Online P(session continues after request i). See the module docstring.
+
+    Args:
+        features: fit the logistic correction (off: per-turn rates only).
+        max_turn: turns at and beyond this one share a rate.
+        prior: Beta pseudo-counts (continued, ended) of every turn's rate.
+        horizon_sigmas: a session idle longer than ``exp(mu + horizon_sigmas * sigma)`` is taken as ended.
+        l2: L2 penalty of the logistic correction (per coefficient).
+        buffer: labelled requests (the most recent) the correction is fitted on.
+        predictor: optional ``f(trace, i) -> (p_chat, p_agent)`` for first requests, used as a feature.
+    """
+
+    def __init__(self, *, features: bool = True, max_turn: int = 8, prior: tuple[float, float] = (1.0, 1.0),
+                 horizon_sigmas: float = 3.0, l2: float = 1.0, buffer: int = 4096,
+                 predictor: Callable[[Trace, int], Sequence[float]] | None = None):
+        if isinstance(max_turn, bool) or not isinstance(max_turn, int) or max_turn < 1:
+            raise ValueError(f"continuation: max_turn must be an integer >= 1, got {max_turn!r}")
+        if len(prior) != 2 or min(prior) <= 0:
+            raise ValueError(f"continuation: prior must be two positive pseudo-counts, got {prior!r}")
+        if not (horizon_sigmas > 0 and math.isfinite(horizon_sigmas)):
+            raise ValueError(f"continuation: horizon_sigmas must be positive, got {horizon_sigmas!r}")
+        if not l2 > 0:
+            raise ValueError(f"continuation: l2 must be positive, got {l2!r}")
+        self.features = bool(features)
+        self.max_turn = max_turn
+        self.prior = (float(prior[0]), float(prior[1]))
+        self.horizon_sigmas = float(horizon_sigmas)
+        self.l2 = float(l2)
+        self.buffer = int(buffer)
+        self.predictor = predictor
+        self.beta = np.zeros(_N_FEATURES)
+        k = max_turn + 1
+        self.rates = np.full(k, self.prior[0] / sum(self.prior))  # r_k by turn bucket (index 0 unused)
+        self._continued = [0.0] * k  # labelled requests by turn bucket: continued ...
+        self._ended = [0.0] * k  # ... and ended (idle past the horizon)
+        self._n_pending = [0] * k  # pending requests by turn bucket ...
+        self._alive = [0.0] * k  # ... and the sum of their soft weights (posterior alive)
+        self._rates = [float(r) for r in self.rates]  # list copy of ``rates`` for the per-request path
+        self._pending: dict[int, tuple[float, float]] = {}  # request -> (arrival, soft weight), until labelled
+        self._last_of: dict[int, int] = {}  # session -> its latest request
+        self._labelled: list[tuple[int, float]] = []  # (request, label), the latest ``buffer``
+        self._trace: Trace | None = None
+
+    # -- features ----------------------------------------------------------------------------------------------
+    def bind(self, trace: Trace) -> None:
+        """Per-request facts and features, each computed from the request and its session's earlier requests."""
+        self._trace = trace
+        n = len(trace)
+        sid = trace.session_ids()
+        self._session = sid.tolist()
+        turn = np.maximum(trace.turn.astype(np.int64), 1)
+        self._bucket = np.minimum(turn, self.max_turn).tolist()
+        self._queue = (trace.app == AppType.AGENT).astype(np.int8).tolist()  # 0 chat gaps, 1 agent gaps
+        # The session's previous request, by a stable sort on session id (requests are in arrival order).
+        order = np.lexsort((np.arange(n), sid))
+        prev = np.full(n, -1, dtype=np.int64)
+        same = sid[order[1:]] == sid[order[:-1]]
+        prev[order[1:][same]] = order[:-1][same]
+        has_prev = prev >= 0
+        p_prev = np.where(has_prev, trace.prompt_tokens[np.maximum(prev, 0)], 0)
+        gap = np.where(has_prev, trace.t - trace.t[np.maximum(prev, 0)], 0.0)
+        offsets = trace.prompt_offsets
+        n_blocks = np.maximum(np.diff(offsets), 1)
+
+        def share(*types: TokenType) -> np.ndarray:
+            flags = np.isin(trace.prompt_types, [int(t) for t in types])
+            counts = np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])
+            return (counts[offsets[1:]] - counts[offsets[:-1]]) / n_blocks
+
+        z = np.zeros((n, _N_FEATURES))
+        z[:, 0] = np.log1p(trace.prompt_tokens) / 10.0
+        z[:, 1] = np.log1p(np.maximum(trace.prompt_tokens - p_prev, 0)) / 10.0
+        z[:, 2] = np.log1p(np.maximum(gap, 0.0)) / 10.0
+        z[:, 3] = share(TokenType.USER)
+        z[:, 4] = share(TokenType.ASSISTANT)
+        z[:, 5] = share(TokenType.TOOL_OUTPUT)
+        z[:, 6] = share(TokenType.SYSTEM, TokenType.TEMPLATE)
+        z[:, 7] = trace.app == AppType.AGENT
+        if self.predictor is not None:
+            prepare = getattr(self.predictor, "prepare", None)
+            if prepare is not None:
+                prepare(trace)
+            for i in np.flatnonzero(turn == 1).tolist():  # each answer reads request i alone
+                z[i, 8] = self._predictor_logit(trace, i) / 5.0
+        self._z = z
+        self._zb: np.ndarray | None = None  # z @ beta, recomputed after each fit
+        self._zb_from = 0
+
+    def _predictor_logit(self, trace: Trace, i: int) -> float:
+        r = self.predictor(trace, i)
+        p = float(r) if isinstance(r, (int, float)) else float(r[0]) + float(r[1])
+        if not 0.0 <= p <= 1.0 + 1e-6:
+            raise ValueError(f"continuation: the predictor gave {p!r} for request {i} (need a probability)")
+        return _logit(min(max(p, _P_CLIP), 1.0 - _P_CLIP))
+
+    # -- online use ------------------------------------------------------------------------------------------
+    def arrive(self, i: int, now: float) -> float:
+        """Request ``i`` arrived: its session's previous request is labelled continued; returns ``p_i``."""
+        s = self._session[i]
+        j = self._last_of.get(s)
+        if j is not None:
+            pend = self._pending.pop(j, None)
+            if pend is not None:
+                self._unpend(j, pend[1])
+                self._label(j, 1.0)
+        self._last_of[s] = i
+        k = self._bucket[i]
+        w = self._rates[k]  # a fresh request is alive with the prior probability
+        self._pending[i] = (now, w)
+        self._n_pending[k] += 1
+        self._alive[k] += w
+        self._refresh_rate(k)
+        return self.p(i)
+
+    def _unpend(self, i: int, w: float) -> None:
+        k = self._bucket[i]
+        self._n_pending[k] -= 1
+        self._alive[k] -= w
+
+    def _refresh_rate(self, k: int) -> None:
+        a, b = self.prior
+        c, e = self._continued[k], self._ended[k]
+        r = (c + self._alive[k] + a) / (c + e + self._n_pending[k] + a + b)
+        self._rates[k] = r
+        self.rates[k] = r
+
+    def p(self, i: int) -> float:
+        """The current model's continuation probability of request ``i``."""
+        r = self._rates[self._bucket[i]]
+        if not self.features:
+            return float(r)
+        zb = self._zb
+        if zb is None or not (self._zb_from <= i < self._zb_from + zb.size):
+            self._zb_from = i
+            zb = self._zb = self._z[i:i + 1024] @ self.beta
+        x = _logit(min(max(r, _P_CLIP), 1.0 - _P_CLIP)) + float(zb[i - self._zb_from])
+        return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
+
+    def _label(self, i: int, y: float) -> None:
+        k = self._bucket[i]
+        if y:
+            self._continued[k] += 1
+        else:
+            self._ended[k] += 1
+        self._refresh_rate(k)
+        self._labelled.append((i, y))
+        if len(self._labelled) > 2 * self.buffer:
+            del self._labelled[:-self.buffer]
+
+    def update(self, now: float, gaps: Sequence[LognormalGaps]) -> None:
+        """Label sessions idle past the horizon as ended, then refit the rates and the correction.
+
+        ``gaps[q]`` is the gap distribution of queue ``q`` (0: chat, 1: agent)."""
+        horizons = [g.upper(self.horizon_sigmas) for g in gaps]
+        queue = self._queue
+        for i, (t, w) in list(self._pending.items()):
+            if now - t > horizons[queue[i]]:
+                del self._pending[i]
+                self._unpend(i, w)
+                self._label(i, 0.0)
+        pend = np.fromiter(self._pending.keys(), dtype=np.int64, count=len(self._pending))
+        idle = now - np.array([t for t, _ in self._pending.values()], dtype=np.float64)
+        surv = np.array([gaps[queue[i]].sf(c) for i, c in zip(pend.tolist(), idle.tolist(), strict=True)])
+        bucket = np.asarray(self._bucket, dtype=np.int64)[pend] if pend.size else np.zeros(0, dtype=np.int64)
+        a, b = self.prior
+        k = self.max_turn + 1
+        n_pend = np.bincount(bucket, minlength=k)
+        cont, ended = np.asarray(self._continued), np.asarray(self._ended)
+        soft = np.zeros(pend.size)
+        for _ in range(_EM_STEPS):
+            r = self.rates[bucket]
+            soft = r * surv / np.maximum(1.0 - r + r * surv, 1e-300)
+            alive = np.bincount(bucket, weights=soft, minlength=k)
+            self.rates = (cont + alive + a) / (cont + ended + n_pend + a + b)
+        self._alive = np.bincount(bucket, weights=soft, minlength=k).tolist()
+        self._n_pending = n_pend.tolist()
+        self._rates = self.rates.tolist()
+        for i, w in zip(pend.tolist(), soft.tolist(), strict=True):
+            self._pending[i] = (self._pending[i][0], w)
+        if self.features and (self._labelled or pend.size):
+            self._fit(pend, surv)
+
+    def _fit(self, pend: np.ndarray, surv: np.ndarray) -> None:
+        lab = self._labelled[-self.buffer:]
+        idx = np.array([i for i, _ in lab] + pend.tolist(), dtype=np.int64)
+        y = np.array([y for _, y in lab] + [0.0] * pend.size)
+        z = self._z[idx]
+        r = np.clip(self.rates[np.asarray(self._bucket, dtype=np.int64)[idx]], _P_CLIP, 1.0 - _P_CLIP)
+        offset = np.log(r / (1.0 - r))
+        beta = self.beta
+        n_lab = len(lab)
+        for _ in range(_NEWTON_STEPS):
+            p = 1.0 / (1.0 + np.exp(-np.clip(offset + z @ beta, -700, 700)))
+            if pend.size:  # soft labels: the posterior that the pending session is alive
+                pp = p[n_lab:]
+                y[n_lab:] = pp * surv / np.maximum(1.0 - pp + pp * surv, 1e-300)
+            grad = z.T @ (p - y) + self.l2 * beta
+            hess = (z * (p * (1.0 - p))[:, None]).T @ z + self.l2 * np.eye(_N_FEATURES)
+            beta = beta - np.linalg.solve(hess, grad)
+        self.beta = beta
+        self._zb = None
+
+    def stats(self) -> dict[str, object]:
+        return {"rates": self.rates[1:].tolist(), "beta": self.beta.tolist(), "pending": len(self._pending),
+                "labelled": int(sum(self._continued) + sum(self._ended))}

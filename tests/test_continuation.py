@@ -1,0 +1,157 @@
+"""Tests of SAECache's online continuation model (sae_env/policies/continuation.py).
+
+* Recovery: on generated sessions whose per-turn continuation probabilities and log-normal gaps are known, the
+  per-turn rates converge to the truth, and mid-stream (many sessions still pending) the censoring-aware estimate
+  is closer to the truth than counting a session that has not come back yet as ended (LPC's counting).
+* It never reads the future: the answers for the first k requests are the same on the trace and on the trace cut
+  after request k, at every k tried, and the features of a request do not change when later requests change.
+* Invariants under hypothesis: probabilities and rates in (0, 1), the per-turn pending counts and soft weights
+  agree with the pending set after any sequence of arrivals and updates.
+* Bad options raise ValueError; a predictor's answer is a feature of first requests only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sae_env.policies.continuation import ContinuationModel
+from sae_env.policies.survival import LognormalGaps
+from sae_env.trace import AppType, TokenType, Trace, TraceBuilder
+
+MU, SIGMA = 4.0, 0.8  # gaps: median ~55 s
+TRUE_P = {1: 0.9, 2: 0.4, 3: 0.8, 4: 0.8, 5: 0.8, 6: 0.8, 7: 0.8, 8: 0.8}
+
+
+def sessions_trace(n_sessions: int, seed: int, rate: float = 0.5) -> Trace:
+    """Sessions starting as a Poisson process; after turn k a session continues with TRUE_P[min(k, 8)], after a
+    log-normal gap. One distinct block per request (the model reads no keys)."""
+    rng = np.random.default_rng(seed)
+    events = []
+    start = 0.0
+    for s in range(n_sessions):
+        start += rng.exponential(1 / rate)
+        t, k = start, 1
+        while True:
+            events.append((t, s, k))
+            if rng.random() >= TRUE_P[min(k, 8)] or k >= 30:
+                break
+            t += math.exp(rng.normal(MU, SIGMA))
+            k += 1
+    events.sort()
+    b = TraceBuilder(block_size=16)
+    for j, (t, s, k) in enumerate(events):
+        b.add(t=t, session=s, turn=k, app=AppType.CHAT, prompt_tokens=16 * k, output_tokens=8,
+              prompt_keys=[j + 1], prompt_types=[TokenType.USER])
+    return b.build()
+
+
+def replay_model(trace: Trace, model: ContinuationModel, until: int | None = None, window: int = 50) -> list[float]:
+    """Arrivals in order, an update every ``window`` requests (as SAECache does once a window); returns p_i."""
+    gaps = (LognormalGaps(MU, SIGMA), LognormalGaps(MU, SIGMA))
+    model.bind(trace)
+    out = []
+    for i in range(len(trace) if until is None else until):
+        if i and i % window == 0:
+            model.update(float(trace.t[i - 1]), gaps)
+        out.append(model.arrive(i, float(trace.t[i])))
+    return out
+
+
+def test_rates_converge_to_the_truth():
+    trace = sessions_trace(3000, seed=1)
+    model = ContinuationModel(features=False)
+    replay_model(trace, model)
+    for k in (1, 2, 3):
+        assert model.rates[k] == pytest.approx(TRUE_P[k], abs=0.04), k
+    assert model.rates[8] == pytest.approx(TRUE_P[8], abs=0.08)
+
+
+def test_censoring_correction_beats_counting_pending_as_ended():
+    """Early in the stream many sessions have not come back *yet*: counting them as ended (LPC) biases the rate
+    down; weighting them by the posterior that they are alive does not (much)."""
+    trace = sessions_trace(600, seed=2, rate=2.0)  # fast arrivals: many pending sessions at any time
+    cut = 400
+    model = ContinuationModel(features=False)
+    replay_model(trace, model, until=cut, window=25)
+    model.update(float(trace.t[cut - 1]), (LognormalGaps(MU, SIGMA),) * 2)
+    # LPC's count at the same point: sessions that reached turn 1, and those of them seen at turn 2 already
+    turn, sid = trace.turn[:cut], trace.session[:cut]
+    reached = np.sum(turn == 1)
+    continued = len(set(sid[turn == 2].tolist()))
+    lpc = (continued + 1) / (reached + 2)
+    assert abs(model.rates[1] - TRUE_P[1]) < abs(lpc - TRUE_P[1])
+    assert lpc < TRUE_P[1] - 0.15  # the bias is real here
+    assert model.rates[1] == pytest.approx(TRUE_P[1], abs=0.1)
+
+
+@pytest.mark.parametrize("features", [False, True])
+def test_never_reads_the_future(features):
+    trace = sessions_trace(150, seed=3)
+    full = replay_model(trace, ContinuationModel(features=features))
+    for k in (1, 37, 50, 101, len(trace) // 2, len(trace) - 1):
+        cut = trace.take(np.arange(k))
+        assert replay_model(cut, ContinuationModel(features=features)) == full[:k], k
+
+
+def test_features_of_a_request_ignore_later_requests():
+    trace = sessions_trace(80, seed=4)
+    model = ContinuationModel()
+    model.bind(trace)
+    k = len(trace) // 2
+    other = ContinuationModel()
+    other.bind(trace.take(np.arange(k)))
+    np.testing.assert_array_equal(model._z[:k], other._z)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 60), window=st.integers(1, 20), features=st.booleans())
+def test_invariants(seed, n, window, features):
+    trace = sessions_trace(n, seed=seed, rate=1.0)
+    model = ContinuationModel(features=features)
+    ps = replay_model(trace, model, window=window)
+    assert all(0.0 < p < 1.0 for p in ps)
+    assert np.all((model.rates > 0) & (model.rates < 1))
+    buckets = [0] * (model.max_turn + 1)
+    alive = [0.0] * (model.max_turn + 1)
+    for i, (_, w) in model._pending.items():
+        k = model._bucket[i]
+        buckets[k] += 1
+        alive[k] += w
+        assert 0.0 <= w <= 1.0
+    assert buckets == model._n_pending
+    np.testing.assert_allclose(alive, model._alive, atol=1e-9)
+    assert sum(model._continued) + sum(model._ended) + len(model._pending) == len(trace)
+
+
+def test_predictor_is_a_feature_of_first_requests():
+    trace = sessions_trace(30, seed=5)
+    asked = []
+
+    def predictor(tr, i):
+        asked.append(i)
+        return (0.7, 0.1)
+
+    model = ContinuationModel(predictor=predictor)
+    model.bind(trace)
+    first = np.flatnonzero(trace.turn == 1)
+    assert sorted(asked) == first.tolist()
+    assert np.allclose(model._z[first, 8], math.log(0.8 / 0.2) / 5)
+    assert not model._z[trace.turn > 1, 8].any()
+
+    def bad(tr, i):
+        return (0.9, 0.9)
+
+    with pytest.raises(ValueError, match="probability"):
+        ContinuationModel(predictor=bad).bind(trace)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_turn": 0}, {"max_turn": 2.5}, {"prior": (1.0, 0.0)},
+                                    {"horizon_sigmas": 0.0}, {"l2": 0.0}])
+def test_bad_options(kwargs):
+    with pytest.raises(ValueError):
+        ContinuationModel(**kwargs)
