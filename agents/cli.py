@@ -46,7 +46,9 @@ class AgentsExtension:
         return {"predictor": self._predictor.as_policy_callable()}
 
     def replay_callbacks(self, args: argparse.Namespace, policy: EvictionPolicy) -> list:
-        if getattr(args, "fixed", False) or policy.name != "saecache":
+        from sae_env.policies.saecache import SAECachePolicy
+
+        if getattr(args, "fixed", False) or not isinstance(policy, SAECachePolicy):
             return []
         from agents.sae_online import SAEOnlineLearner
 

@@ -9,9 +9,10 @@ parameter of :class:`~sae_env.policies.saecache.SAECachePolicy`:
   such as reasoning, gets a target of 0). ``w <- (1 - type_rate) * w + type_rate * target``;
 * **log-normal (mu, sigma)** of the chat, agent and structural queues: streaming maximum likelihood from the
   re-access gaps of each queue (the inter-turn gaps of its sessions; for the structural queue, the gaps between
-  uses of one shared prefix, measured when the policy ranks by hit density): sufficient statistics ``n, sum ln g, sum ln^2 g`` decayed by
-  ``gap_decay`` per window, then ``mu = mean ln g``, ``sigma = std ln g``, with ``gap_prior`` pseudo-gaps at the
-  current values (a gap is seen only when the next turn comes, so early windows see the short ones alone);
+  uses of one shared prefix, measured when the policy ranks by hit density): sufficient statistics
+  ``n, sum ln g, sum ln^2 g`` decayed by ``gap_decay`` per window, then ``mu = mean ln g``, ``sigma = std ln g``,
+  with ``gap_prior`` pseudo-gaps at the current values (a gap is seen only when the next turn comes, so early windows
+  see the short ones alone);
 * **position decay gamma**: the structural blocks' hit ratio by relative offset ``x`` (in 10 bins) is fitted by
   weighted least squares to ``c * (1 - x ** gamma)`` over a log grid of gamma (``c`` solved for each); the fit
   moves gamma by an EMA in log space (``gamma_rate``). A small gamma means hits fall off right after the head of a

@@ -673,7 +673,7 @@ class PrefixCacheEnv(gym.Env):
             return "\n".join(lines) + "\n"
         lines.append(f"window {w.index}: token hit {w.token_hit_rate:.3f}  block hit {w.block_hit_rate:.3f}  "
                      f"evictions {w.evictions}  bypasses {w.bypasses}  reward {self._reward(w):.4f}")
-        names = _queue_names(self.policy_name)
+        names = dict(enumerate(policy_class(self.policy_name).queue_names))
         qh = w.policy.get("queue_hits") if isinstance(w.policy, dict) else None
         for q in sorted(set(names) | set(w.occupancy_by_queue)):
             n = w.occupancy_by_queue.get(q, 0)
@@ -684,18 +684,6 @@ class PrefixCacheEnv(gym.Env):
                  for k in range(N_TOKEN_TYPES) if w.refs_by_type[k]]
         lines.append("  hit rate by type: " + ", ".join(rates))
         return "\n".join(lines) + "\n"
-
-
-def _queue_names(policy: str) -> dict[int, str]:
-    if policy == "saecache":
-        from sae_env.policies.saecache import QUEUES
-
-        return dict(enumerate(QUEUES))
-    if policy == "s3fifo":
-        from sae_env.policies.s3fifo import MAIN, SMALL
-
-        return {SMALL: "small", MAIN: "main"}
-    return {0: "cache"}
 
 
 if ENV_ID not in gym.registry:

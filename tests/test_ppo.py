@@ -32,6 +32,7 @@ from agents.ppo import (
     seeded_env_config,
     train,
 )
+from sae_env.policies.saecache import PAPER
 
 # A few hundred requests per episode, 3 windows: fast (~10 ms per step).
 SMALL_ENV = {"capacity": 0.1, "window": 50, "segment_requests": 150}
@@ -40,7 +41,6 @@ SMALL_RUN = {"seed": 3, "env": SMALL_ENV, "ppo": {"num_envs": 2, "num_steps": 8,
 # Starting parameters that are clearly bad on the default trace at 10 % capacity for the paper's ranking (hit rate
 # 0.62 against 0.80 at SAECache's defaults): agent blocks given up after ~0.5 s idle, chat preferred over structure
 # and agents, ... The smoke test trains on the paper's ranking, whose response to these parameters it was sized on.
-PAPER = {"continuation": False, "density": False}
 BAD_START = {"alpha_st": 0.091, "alpha_ch": 10.986, "alpha_ag": 0.091, "w_template": 0.091, "w_user": 10.986,
              "w_assistant": 10.986, "mu_agent": -0.8, "sigma_agent": 0.49, "gamma": 0.091}
 

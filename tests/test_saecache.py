@@ -28,15 +28,13 @@ from scipy.stats import lognorm
 
 from sae_env.cache import Block, PrefixCache
 from sae_env.policies import make_policy, saecache
-from sae_env.policies.saecache import AG, CH, PARAM_SPECS, PE, ST, SAECachePolicy
+from sae_env.policies.saecache import AG, CH, PAPER, PARAM_SPECS, PE, ST, SAECachePolicy
 from sae_env.replay import Replay
 from sae_env.serving import make_server
 from sae_env.sources import load_source
 from sae_env.trace import AppType, TokenType, Trace, TraceBuilder, chain_requests
 
 SERVER = "qwen2.5-1.5b@a40"
-# The paper's ranking and routing: alpha_q * w_type * p_q / dt, first requests routed by rule or predictor.
-PAPER = {"continuation": False, "density": False}
 ALL_OFF = {"type_weights": False, "adaptive_alpha": False, "lognormal": False, "position_decay": False,
            "multi_queue": False, "predictor": False, "continuation": False, "density": False}
 SWITCHES = ("type_weights", "adaptive_alpha", "lognormal", "position_decay", "multi_queue", "continuation", "density",
@@ -595,7 +593,7 @@ CASES = [(CH, T.USER, 5.0, None), (CH, T.ASSISTANT, 40.0, None), (CH, T.USER, 0.
 @pytest.mark.parametrize("switch", [None, "type_weights", "adaptive_alpha", "lognormal", "position_decay"])
 def test_priority_formula(switch):
     opts = {} if switch is None else {switch: False}
-    policy = SAECachePolicy(params=PARAMS, **opts, **PAPER)
+    policy = SAECachePolicy(params=PARAMS, **{**PAPER, **opts})
     now = 100.0
     for q, t, dt, x in CASES:
         got = policy.priority(block(q, t, now - dt, x), now)
@@ -705,7 +703,7 @@ def test_density_priority_matches_a_direct_computation():
     block's continuation bin, the horizon the policy's turnover time."""
     from scipy.integrate import quad
 
-    policy = SAECachePolicy(params=PARAMS)
+    policy = SAECachePolicy(params=PARAMS, type_weights=True, adaptive_alpha=True, position_decay=True)
     now, h = 500.0, policy.horizon
     for q, t, dt, x, slot in [(CH, T.USER, 5.0, None, 20), (CH, T.ASSISTANT, 300.0, None, 3), (AG, T.TOOL_OUTPUT,
                               1.5, None, 28), (ST, T.TEMPLATE, 40.0, 0.4, 0), (ST, T.SYSTEM, 2.0, 0.0, 0)]:

@@ -28,7 +28,7 @@ import pytest
 
 from agents.sae_online import SAEOnlineLearner
 from sae_env.cache import PrefixCache
-from sae_env.policies.saecache import SAECachePolicy
+from sae_env.policies.saecache import PAPER, SAECachePolicy
 from sae_env.replay import Replay
 from sae_env.serving import make_server
 from sae_env.sources import load_source
@@ -62,9 +62,8 @@ def _templated():
                                 "mix": {"templated": 0.7, "chat": 0.3, "agent": 0.0}}])[0]
 
 
-# The paper's ranking (alpha_q * w_type * p_q / dt, first requests routed by rule or predictor): its decisions
+# The paper's method (PAPER: alpha_q * w_type * p_q / dt, first requests routed by rule or predictor): its decisions
 # have been pinned since before the hot path was optimised, and stay so.
-PAPER = {"continuation": False, "density": False}
 
 # name -> (trace factory, capacity as a fraction of distinct blocks or blocks, timed, learners, policy options)
 CASES = {

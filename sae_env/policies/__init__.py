@@ -22,6 +22,7 @@ POLICIES: dict[str, str] = {
     "when-oracle": "sae_env.policies.partial_oracle:WhenOraclePolicy",
     "lpc": "sae_env.policies.lpc:LPCPolicy",
     "saecache": "sae_env.policies.saecache:SAECachePolicy",
+    "saecache-paper": "sae_env.policies.saecache:SAECachePaperPolicy",
 }
 
 __all__ = ["POLICIES", "EvictionPolicy", "KeyedPolicy", "ParamSpec", "make_policy", "policy_class", "policy_names"]

@@ -72,6 +72,7 @@ class EvictionPolicy:
     name = "base"
     oracle = False  # True for policies that know the future (Belady)
     param_specs: tuple[ParamSpec, ...] = ()
+    queue_names: tuple[str, ...] = ("cache",)  # the name of each queue id the policy puts blocks in (Block.queue)
 
     def __init__(self) -> None:
         self.cache: PrefixCache | None = None

@@ -55,6 +55,8 @@ class ContinuationModel:
 
     Args:
         features: fit the logistic correction (off: per-turn rates only).
+        censoring: weigh a pending request by the posterior that its session is alive (off: count it as ended
+            until its session comes back, as LPC counts).
         max_turn: turns at and beyond this one share a rate.
         prior: Beta pseudo-counts (continued, ended) of every turn's rate.
         horizon_sigmas: a session idle longer than ``exp(mu + horizon_sigmas * sigma)`` is taken as ended.
@@ -63,8 +65,9 @@ class ContinuationModel:
         predictor: optional ``f(trace, i) -> (p_chat, p_agent)`` for first requests, used as a feature.
     """
 
-    def __init__(self, *, features: bool = True, max_turn: int = 8, prior: tuple[float, float] = (1.0, 1.0),
-                 horizon_sigmas: float = 3.0, l2: float = 1.0, buffer: int = 4096,
+    def __init__(self, *, features: bool = True, censoring: bool = True, max_turn: int = 8,
+                 prior: tuple[float, float] = (1.0, 1.0), horizon_sigmas: float = 3.0, l2: float = 1.0,
+                 buffer: int = 4096,
                  predictor: Callable[[Trace, int], Sequence[float]] | None = None):
         if isinstance(max_turn, bool) or not isinstance(max_turn, int) or max_turn < 1:
             raise ValueError(f"continuation: max_turn must be an integer >= 1, got {max_turn!r}")
@@ -75,6 +78,7 @@ class ContinuationModel:
         if not l2 > 0:
             raise ValueError(f"continuation: l2 must be positive, got {l2!r}")
         self.features = bool(features)
+        self.censoring = bool(censoring)
         self.max_turn = max_turn
         self.prior = (float(prior[0]), float(prior[1]))
         self.horizon_sigmas = float(horizon_sigmas)
@@ -158,7 +162,7 @@ class ContinuationModel:
                 self._label(j, 1.0)
         self._last_of[s] = i
         k = self._bucket[i]
-        w = self._rates[k]  # a fresh request is alive with the prior probability
+        w = self._rates[k] if self.censoring else 0.0  # a fresh request is alive with the prior probability
         self._pending[i] = (now, w)
         self._n_pending[k] += 1
         self._alive[k] += w
@@ -220,7 +224,7 @@ class ContinuationModel:
         n_pend = np.bincount(bucket, minlength=k)
         cont, ended = np.asarray(self._continued), np.asarray(self._ended)
         soft = np.zeros(pend.size)
-        for _ in range(_EM_STEPS):
+        for _ in range(_EM_STEPS if self.censoring else 0):
             r = self.rates[bucket]
             soft = r * surv / np.maximum(1.0 - r + r * surv, 1e-300)
             alive = np.bincount(bucket, weights=soft, minlength=k)
@@ -244,7 +248,7 @@ class ContinuationModel:
         n_lab = len(lab)
         for _ in range(_NEWTON_STEPS):
             p = 1.0 / (1.0 + np.exp(-np.clip(offset + z @ beta, -700, 700)))
-            if pend.size:  # soft labels: the posterior that the pending session is alive
+            if pend.size and self.censoring:  # soft labels: the posterior that the pending session is alive
                 pp = p[n_lab:]
                 y[n_lab:] = pp * surv / np.maximum(1.0 - pp + pp * surv, 1e-300)
             grad = z.T @ (p - y) + self.l2 * beta

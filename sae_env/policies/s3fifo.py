@@ -31,6 +31,7 @@ SMALL, MAIN = 0, 1
 
 class S3FIFOPolicy(EvictionPolicy):
     name = "s3fifo"
+    queue_names = ("small", "main")  # SMALL, MAIN
 
     def __init__(self, small_ratio: float = 0.1, move_to_main: int = 1, max_freq: int = 3) -> None:
         super().__init__()

@@ -1,50 +1,71 @@
 """SAECache: semantic, self-tuning eviction over four queues (arXiv 2605.18825; restated in SAECACHE.md).
 
-Algorithm. Every block is routed, when it is inserted, to one queue:
+Queues. Every block is routed, when it is inserted, to one queue:
 
 * priority-eviction (PE): reasoning / chain-of-thought output blocks (and the rest of an output that holds
-  reasoning: the next turn drops the reasoning, so no later prompt follows that branch), and the non-template
-  blocks (prompt and output) of requests not expected to continue; emptied first;
+  reasoning: the next turn drops the reasoning, so no later prompt follows that branch); emptied first;
 * structural (ST): SYSTEM and TEMPLATE blocks (shared prompt structure: system prompts, tool schemas, templates);
-* chat (CH) and agent (AG): the other blocks of multi-turn sessions: later turns are known to be multi-turn (their
-  ``app`` says chat or agent); a session's first request goes there when the session predictor says it will
-  continue; without a predictor, by rule from what the request shows: tool schemas (app = agent) -> agent, a
-  templated prompt (TEMPLATE blocks) -> single-turn, anything else -> chat (it may be a conversation's start).
+* chat (CH) and agent (AG): the other blocks, by the request's app (tool schemas -> agent).
 
-Within a queue, block ``b`` has priority ``P(b) = alpha_q * w_type(b) * p_q(b) / dt_b`` (lowest evicted first) where
-``dt_b`` is the time since its last access (floored at ``min_dt``) and ``p_q`` its survival probability:
-``1 - F_LN(dt; mu_q, sigma_q)`` for chat and agent (exponential survival of the same mean when ``lognormal`` is
-off), ``1 - x_b ** gamma`` for structural (``x_b`` = the block's offset / its prompt's length in blocks), 1 for PE.
-Any evictable PE block goes before every other block.
+Ranking (the default). Within the chat and agent queues a block is worth its *hit density* (survival.py): the hits
+it is expected to bring per second of cache it holds over the cache's turnover time, given the probability ``p``
+that its session continues after the request that last released it and the queue's log-normal gap distribution
+``LN(mu_q, sigma_q)``. ``p`` comes from an online continuation model (continuation.py) asked at *every* request,
+trained on the continuations this replay has observed (right-censoring handled: a session that has not come back
+yet counts by the posterior that it is still alive). The posterior ``p S(dt) / (1 - p + p S(dt))`` is what shapes
+the order: a session idle far past its typical gap is probably over, and one idle for a while may be closer to its
+next turn than a fresh one. Structural blocks are ranked the same way, as the shared prefixes they belong to: ``p``
+is the rate at which a use of a shared prefix is followed by another, the gaps those between uses. The lowest
+``alpha_q * w_type * D`` goes first; any evictable PE block before every other block.
 
-Victim selection, exact where it can be and sampled where it cannot. Unpinned blocks belong to one recency list per
-(queue, type) group, in release order (vLLM's free-queue order). Inside a chat, agent or PE group every block shares
-``alpha``, ``w`` and the survival curve, and ``S(dt)/dt`` falls with ``dt``, so the group's minimum is its least
-recently released leaf: one candidate per group is exact. In a structural group the offset also matters, so the
-first ``sample`` leaves from its head are candidates (Redis / LRB-style sampling); tests measure how often this
-differs from the exact argmin over all evictable blocks. Only leaves are evictable: an inner node (a shared system
-prompt stays one for as long as any session hangs below it) is parked aside, and when its last child goes it returns
-to its group through a small heap ordered by its release stamp, so the group's order stays exact.
+The paper's ranking (``continuation=False, density=False``, and its three multiplicative mechanisms on; the
+``saecache-paper`` policy): ``P(b) = alpha_q * w_type(b) * p_q(b) / dt_b`` with ``p_q`` the log-normal survival for
+chat and agent (exponential when ``lognormal`` is off), ``1 - x_b ** gamma`` for structural (``x_b`` = the block's
+offset / its prompt's length), 1 for PE; a session's first request routed by the session predictor, or by rule
+(tool schemas -> agent, a templated prompt -> PE, anything else -> chat). Inside a group every block then shares
+``alpha``, ``w`` and the survival curve, and ``S(dt) / dt`` falls with ``dt``: each group evicts in LRU order. On
+real sessions the queues collapse into one or two groups and the paper's ranking makes LRU's decisions; hence the
+default. What differs from the paper, and why, is in the README ("SAECache"). The type weights, queue weights and
+position decay are off by default: under the hit density they did not help on real traces (configs/ablation.yaml).
+
+Victim selection. Unpinned blocks belong to one recency list per group, in release order (vLLM's free-queue order):
+a group is (queue, type when ``type_weights``, continuation bin), the bin being ``logit p`` rounded to ``_BIN``, so
+that every block of a group shares one score function of its idle time. Under the paper's ranking that function
+falls with idle time, so a group's minimum is its least recently released leaf; under the hit density it rises,
+then falls (quasi-concave, tested), so the minimum is its least or most recently released leaf: two candidates per
+group. In a structural group the offset may also matter (position decay), so the first ``sample`` leaves from its
+head are candidates (Redis / LRB-style sampling); tests measure how often this differs from the exact argmin over
+all evictable blocks. Only leaves are evictable: an inner node (a shared system prompt stays one for as long as any
+session hangs below it) is parked aside, and when its last child goes it returns to its group through small heaps
+ordered by its release stamp, so the group's order stays exact.
 
 Cost. A request acquires and releases its whole hit prefix (hundreds of blocks, nearly all inner nodes), so that
 path does almost nothing per block: acquiring is free (a pinned block's list entry is just dead until its release
 appends a fresh one), releasing stamps each block and lists only what a scan can need (see ``on_release``). Dead
-entries are dropped when a scan meets them and by an occasional compaction. Candidates are cached per group while
-the clock stands still, so the evictions of one insertion run refresh only the groups they touched.
+entries are dropped when a scan meets them and by an occasional compaction. Each group's candidates are kept and
+rescored at a new instant unless something joined or left them; nearly every eviction of an insertion run takes the
+parent of the previous victim, which is recognised without a scan (see ``evict``).
 
 Parameters (a named, bounded vector agents can set): ``alpha_st, alpha_ch, alpha_ag``, one ``w_<TYPE>`` per token
-type, ``mu_chat, sigma_chat, mu_agent, sigma_agent``, ``gamma``. The online learners that set them after every
-window live in :mod:`agents.sae_online` (this module only measures what they need, in :meth:`window_stats`).
+type, ``mu_chat, sigma_chat, mu_agent, sigma_agent``, ``gamma``, ``mu_structural, sigma_structural``. The online
+learners that set them after every window live in :mod:`agents.sae_online` (this module only measures what they
+need, in :meth:`window_stats`). The continuation model, the shared prefixes' reuse rate and the turnover time are
+re-estimated by the policy itself at every window start (``reset_window``): they are part of the ranking, as LPC's
+rates are part of LPC.
 
-Switches (ablations): ``type_weights`` (off: w = 1), ``adaptive_alpha`` (off: alpha = 1), ``lognormal`` (off:
-exponential survival), ``position_decay`` (off: p_ST = 1), ``multi_queue`` (off: one temporal queue, no PE
-priority), ``predictor`` (off: first requests routed by rule only). With every switch off the policy evicts in
-LRU order (a test checks it against ``lru``).
+Switches (ablations): ``continuation`` (off: p = 1, no continuation model), ``density`` (off: the paper's
+``p_q / dt``), ``continuation_features`` (off: per-turn rates only), ``censoring`` (off: a pending session counts
+as ended, as LPC counts), ``pe_routing`` (on: requests with p below ``continue_threshold`` go to PE),
+``type_weights`` (off: w = 1), ``adaptive_alpha`` (off: alpha = 1), ``lognormal`` (off: exponential gaps),
+``position_decay`` (off: no offset term), ``multi_queue`` (off: one temporal queue, no PE priority), ``predictor``
+(the paper's ranking: off routes first requests by rule only; under the continuation model a predictor is one of
+its features). With every switch off the policy evicts in LRU order (a test checks it against ``lru``).
 """
 
 from __future__ import annotations
 
 import heapq
+import inspect
 import math
 from collections import deque
 from collections.abc import Callable
@@ -127,10 +148,12 @@ class _RecencyList:
 class SAECachePolicy(EvictionPolicy):
     name = "saecache"
     param_specs = PARAM_SPECS
+    queue_names = QUEUES
 
-    def __init__(self, *, type_weights: bool = True, adaptive_alpha: bool = True, lognormal: bool = True,
-                 position_decay: bool = True, multi_queue: bool = True, predictor: Predictor | bool | None = None,
+    def __init__(self, *, type_weights: bool = False, adaptive_alpha: bool = False, lognormal: bool = True,
+                 position_decay: bool = False, multi_queue: bool = True, predictor: Predictor | bool | None = None,
                  continuation: bool = True, density: bool = True, continuation_features: bool = True,
+                 censoring: bool = True,
                  pe_routing: bool = False, continue_threshold: float = 0.5, sample: int = 8, min_dt: float = 1e-3,
                  params: dict[str, float] | None = None) -> None:
         super().__init__()
@@ -142,14 +165,15 @@ class SAECachePolicy(EvictionPolicy):
                          "lognormal": bool(lognormal), "position_decay": bool(position_decay),
                          "multi_queue": bool(multi_queue), "predictor": predictor is not False,
                          "continuation": bool(continuation), "density": bool(density),
-                         "continuation_features": bool(continuation_features), "pe_routing": bool(pe_routing)}
+                         "continuation_features": bool(continuation_features), "censoring": bool(censoring),
+                         "pe_routing": bool(pe_routing)}
         self._multi, self._typed = self.switches["multi_queue"], self.switches["type_weights"]  # hot-path copies
         self._continuation, self._density = self.switches["continuation"], self.switches["density"]
         self.predictor: Predictor | None = predictor if callable(predictor) else None
         self.continue_threshold = continue_threshold
         self.sample = int(sample)
         self.min_dt = float(min_dt)
-        self._model = (ContinuationModel(features=continuation_features, predictor=self.predictor)
+        self._model = (ContinuationModel(features=continuation_features, censoring=censoring, predictor=self.predictor)
                        if self._continuation else None)
         self._lists: dict[int, _RecencyList] = {}  # group (queue * 8 + type + _SLOT * slot) -> recency list
         self._returned: dict[int, list[tuple[int, int, Block]]] = {}  # group -> heap of (stamp, key, block)
@@ -651,7 +675,9 @@ class SAECachePolicy(EvictionPolicy):
             # The last victim's parent, released right after it into its group (same constants, same idle time,
             # hence the same score) and a leaf now: its key is the last victim's but for the next stamp, and every
             # other candidate's key was above the last victim's with a stamp that is not this one, so it is the
-            # least key: the exact victim without a scan. Any acquire, release or clock change voids _cand_now.
+            # least key: the victim a scan would choose, without the scan. (A structural group's candidates are a
+            # sample: there the parent's key is at most that of any block its scan could sample.) Any acquire,
+            # release or clock change voids _cand_now or sets _stale.
             if self._cand_now == now and not self._stale and up.stamp == self._next_stamp and not up.pins \
                     and not up.n_children:
                 if self._deferred is up:
@@ -706,8 +732,9 @@ class SAECachePolicy(EvictionPolicy):
         self._occupancy[victim.queue] -= 1
         victim.stamp = 0
         parent = victim.parent
-        if parent is not None and victim.queue != ST and parent.queue == victim.queue \
-                and self._group(parent) == self._group(victim):
+        # A structural block's offset weighs its score when position decay is on: then its parent scores apart.
+        if parent is not None and parent.queue == victim.queue and self._group(parent) == self._group(victim) \
+                and (victim.queue != ST or not self.switches["position_decay"]):
             self._next_up = parent
             self._next_stamp = stamp + 1
         return victim
@@ -823,6 +850,21 @@ class SAECachePolicy(EvictionPolicy):
             occ[b.queue] += 1
         if occ != self._occupancy:
             raise RuntimeError(f"saecache: occupancy {self._occupancy} != {occ}")
+
+
+# The paper's method: its ranking and routing, and its three multiplicative mechanisms.
+PAPER = {"continuation": False, "density": False, "type_weights": True, "adaptive_alpha": True, "position_decay": True}
+
+
+class SAECachePaperPolicy(SAECachePolicy):
+    """SAECache as the paper describes it (``PAPER``): the same options, other defaults."""
+
+    name = "saecache-paper"
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**{**PAPER, **options})
+
+    __init__.__signature__ = inspect.signature(SAECachePolicy.__init__)  # its options, for callers that look
 
 
 def _survival(kind: int, c1: float, c2: float, dt: float, x: float | None) -> float:
