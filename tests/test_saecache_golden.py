@@ -13,7 +13,11 @@ Workloads: the embedded WildChat excerpt (real multi-turn chat), instant and tim
 blocks, with fixed parameters and with the online learners moving every parameter after each window; the embedded
 tau-bench airline trajectories (real agent sessions with long tool schemas), timed at 5 % (pins, bypasses), with the
 learners; a templated-heavy synthetic workload at a tiny capacity (long structural lists: the sampled candidates and
-the parked / returned inner nodes) with a predictor and two switches off.
+the parked / returned inner nodes) with a predictor and two switches off. These pin the paper's method (PAPER).
+
+The default ranking (continuation model, hit density) is pinned too, with its learners as ``train.py replay`` runs
+them: WildChat (instant and timed), the Mooncake synthetic trace, the heterogeneous preset, tau-bench timed, and the
+templated workload with the paper's multiplicative mechanisms switched back on (structural sampling under density).
 
 If a change is *meant* to alter decisions, re-record with ``python tests/test_saecache_golden.py`` and say why in
 the commit message.
@@ -31,7 +35,7 @@ from sae_env.cache import PrefixCache
 from sae_env.policies.saecache import PAPER, SAECachePolicy
 from sae_env.replay import Replay
 from sae_env.serving import make_server
-from sae_env.sources import load_source
+from sae_env.sources import load_source, open_trace
 
 
 class RecordingSAECache(SAECachePolicy):
@@ -76,6 +80,16 @@ CASES = {
     "taubench_timed": (lambda: load_source("taubench", None)[0], 0.05, True, True, PAPER),
     "templated_small": (_templated, 40, False, False,
                         {**PAPER, "predictor": _predictor, "lognormal": False, "type_weights": False}),
+    # The default ranking (continuation model, hit density), with its learners, as `train.py replay` runs it.
+    "default_wildchat": (lambda: load_source("conversations", None)[0], 0.05, False, True, {}),
+    "default_wildchat_timed": (lambda: load_source("conversations", None)[0], 0.10, True, True, {}),
+    "default_mooncake": (lambda: open_trace("mooncake_synthetic", None, {}, None)[0], 0.05, False, True, {}),
+    "default_heterogeneous": (lambda: load_source("synthetic", None, preset="heterogeneous")[0], 0.15, False,
+                              True, {}),
+    "default_taubench_timed": (lambda: load_source("taubench", None)[0], 0.05, True, True, {}),
+    "default_templated_switches": (_templated, 40, False, False,
+                                   {"predictor": _predictor, "lognormal": False, "position_decay": True,
+                                    "type_weights": True}),
 }
 
 
@@ -96,6 +110,18 @@ def observe(name: str) -> dict:
 
 
 GOLDEN = {
+    'default_heterogeneous': {'hit_blocks': 747453, 'hits': 'bc3faaf285d4649a', 'evictions': 71704, 'bypasses': 0,
+        'victims': 'b3e846c2d5567994', 'queue_hits': '3ab41a66116931d3', 'occupancy': [0, 1832, 10278, 0]},
+    'default_mooncake': {'hit_blocks': 19526, 'hits': '02cd24ea086d32ea', 'evictions': 96355, 'bypasses': 0,
+        'victims': '587968a855e1c0dc', 'queue_hits': 'de43a3829ed687ed', 'occupancy': [0, 35, 1972, 0]},
+    'default_taubench_timed': {'hit_blocks': 842778, 'hits': 'be4bdf8b6008fa49', 'evictions': 117386, 'bypasses': 3531,
+        'victims': 'b48dfb6803acb1cd', 'queue_hits': '8a93b3cb4c175abd', 'occupancy': [0, 282, 0, 1403]},
+    'default_templated_switches': {'hit_blocks': 2396, 'hits': '2c4fdcc7dc8b9096', 'evictions': 13964, 'bypasses': 249,
+        'victims': 'af70695cf1bcfb9c', 'queue_hits': '86b99f40db639c63', 'occupancy': [0, 13, 27, 0]},
+    'default_wildchat': {'hit_blocks': 19281, 'hits': '7233b9a2a8d365a8', 'evictions': 69862, 'bypasses': 0,
+        'victims': 'fb46d7de02e881cc', 'queue_hits': '7292d3e0df7d2df9', 'occupancy': [0, 0, 1300, 0]},
+    'default_wildchat_timed': {'hit_blocks': 32023, 'hits': '3ee05386075c99aa', 'evictions': 55818, 'bypasses': 0,
+        'victims': '3038153951b95585', 'queue_hits': '75ed5647b4bd7b29', 'occupancy': [0, 0, 2600, 0]},
     'heterogeneous': {'hit_blocks': 746857, 'hits': '6b1b2ce619b57801', 'evictions': 72300, 'bypasses': 0,
         'victims': '0400cf054c84e4e7', 'queue_hits': 'f3230c18c9eb4944', 'occupancy': [0, 4288, 7822, 0]},
     'heterogeneous_learners': {'hit_blocks': 746011, 'hits': 'f7783bb0df2e6121', 'evictions': 73146, 'bypasses': 0,

@@ -50,8 +50,8 @@ Parameters (a named, bounded vector agents can set): ``alpha_st, alpha_ch, alpha
 type, ``mu_chat, sigma_chat, mu_agent, sigma_agent``, ``gamma``, ``mu_structural, sigma_structural``. The online
 learners that set them after every window live in :mod:`agents.sae_online` (this module only measures what they
 need, in :meth:`window_stats`). The continuation model, the shared prefixes' reuse rate and the turnover time are
-re-estimated by the policy itself at every window start (``reset_window``): they are part of the ranking, as LPC's
-rates are part of LPC.
+the policy's own online estimates, part of the ranking as LPC's rates are part of LPC: updated at every arrival,
+refitted every ``_REFIT_EVERY`` arrivals whatever the replay's window (see ``_refit``).
 
 Switches (ablations): ``continuation`` (off: p = 1, no continuation model), ``density`` (off: the paper's
 ``p_q / dt``), ``continuation_features`` (off: per-turn rates only), ``censoring`` (off: a pending session counts
@@ -85,6 +85,7 @@ N_QUEUES = len(QUEUES)
 _SQRT2 = math.sqrt(2.0)
 _STRUCTURAL_TYPES = (TokenType.SYSTEM, TokenType.TEMPLATE)
 _COMPACT_MIN = 1 << 18  # released blocks before the first compaction of the recency lists (a few MB of entries)
+_REFIT_EVERY = 64  # arrivals between refits of the turnover time and the continuation model (see _refit)
 _CONSTANT, _LOGNORMAL, _EXPONENTIAL, _POSITION, _DENSITY = range(5)  # kinds of ranking term (see _constants)
 # Continuation probabilities are binned on the logit scale: blocks of one bin share their ranking constants, so a
 # group (queue, type, bin) has one score function of the idle time (see _best).
@@ -169,6 +170,10 @@ class SAECachePolicy(EvictionPolicy):
                          "pe_routing": bool(pe_routing)}
         self._multi, self._typed = self.switches["multi_queue"], self.switches["type_weights"]  # hot-path copies
         self._continuation, self._density = self.switches["continuation"], self.switches["density"]
+        # Structural groups are sampled where a block's offset weighs its score (the paper's position decay);
+        # otherwise every block of a group shares one score function of idle time, as in the temporal groups,
+        # and they are kept like them (leaves listed, oldest and newest candidates).
+        self._st_sampled = not self._density or self.switches["position_decay"]
         self.predictor: Predictor | None = predictor if callable(predictor) else None
         self.continue_threshold = continue_threshold
         self.sample = int(sample)
@@ -215,6 +220,7 @@ class SAECachePolicy(EvictionPolicy):
         self._prefix_uses = 0
         self._prefix_reused = 0
         self._p_structural = 0.5
+        self._arrivals = 0
         # The cache's turnover time (capacity / blocks inserted per second): how long a block stays anyway, the
         # horizon of the hit density. Before the first measurement, the chat queue's mean gap.
         self._horizon: float | None = None
@@ -317,6 +323,9 @@ class SAECachePolicy(EvictionPolicy):
         self._now = now
         if self._window_t0 is None:
             self._window_t0 = now
+        self._arrivals += 1
+        if (self._density or self._model is not None) and self._arrivals % _REFIT_EVERY == 0:
+            self._refit(now)
         q = self._session_queue(trace, i)
         slot = 0
         if self._model is not None:
@@ -347,6 +356,10 @@ class SAECachePolicy(EvictionPolicy):
                     if now > last_use:
                         self._add_gap(ST, now - last_use)
                 self._prefix_last[key] = now
+                self._p_structural = (self._prefix_reused + 1.0) / (self._prefix_uses + 2.0)
+                for g in [g for g in self._consts if (g & (_SLOT - 1)) >> 3 == ST]:
+                    del self._consts[g]  # their density moved: rescored at the next eviction
+                self._cand_now = None
 
     def _add_gap(self, q: int, gap: float) -> None:
         lg = math.log(gap)
@@ -422,6 +435,7 @@ class SAECachePolicy(EvictionPolicy):
         slot = self._slot * _SLOT
         seq = self._released
         dirty = self._dirty
+        st_sampled = self._st_sampled
         last_g, stamps, members = -1, None, None
         for b in blocks:
             seq += 1
@@ -431,7 +445,7 @@ class SAECachePolicy(EvictionPolicy):
             if q == CH or q == AG:
                 g += slot
                 b.pdata = g
-            if q == ST or not b.n_children:
+            if not b.n_children or (q == ST and st_sampled):
                 if g != last_g:  # a request's blocks come in long runs of one group: one lookup per run
                     last_g = g
                     lst = self._list(g)
@@ -463,7 +477,8 @@ class SAECachePolicy(EvictionPolicy):
     def _return(self, block: Block) -> None:
         """An unpinned block became a leaf: it competes again, in its group's returned-heaps."""
         s = block.stamp
-        if block.queue == ST:
+        sampled = block.queue == ST and self._st_sampled
+        if sampled:
             if s > 0:
                 return  # still in its list, where it is now a leaf
             s = block.stamp = -s  # parked by a scan: it competes again with its release stamp
@@ -473,7 +488,7 @@ class SAECachePolicy(EvictionPolicy):
             heap = self._returned[g] = []
             self._list(g)  # evict's full refresh walks the groups that have a list
         heapq.heappush(heap, (s, block.key, block))
-        if self._density and block.queue != ST:
+        if self._density and not sampled:
             newest = self._returned_new.get(g)
             if newest is None:
                 newest = self._returned_new[g] = []
@@ -611,7 +626,7 @@ class SAECachePolicy(EvictionPolicy):
     def _candidates(self, g: int) -> list[Block]:
         """The blocks of group ``g`` that can hold its least key (see on_release and _structural_candidates)."""
         kind = (self._consts.get(g) or self._constants(g))[1]
-        if (g & (_SLOT - 1)) >> 3 == ST:
+        if (g & (_SLOT - 1)) >> 3 == ST and self._st_sampled:
             cands = self._structural_candidates(g, self.sample)
         else:
             # A chat, agent or PE group's oldest evictable block is the older of its list head and its heap top
@@ -698,7 +713,7 @@ class SAECachePolicy(EvictionPolicy):
                 cb = held.get(g)
                 # A structural scan parks the inner nodes it meets, so a second scan samples further: it runs at
                 # every instant, as it always did.
-                if g in dirty or cb is None or (rescore and (g & (_SLOT - 1)) >> 3 == ST) \
+                if g in dirty or cb is None or (rescore and self._st_sampled and (g & (_SLOT - 1)) >> 3 == ST) \
                         or any(b.stamp != s or b.pins or b.n_children for b, s in cb):
                     best = self._best(g, now)
                 elif rescore:
@@ -734,7 +749,7 @@ class SAECachePolicy(EvictionPolicy):
         parent = victim.parent
         # A structural block's offset weighs its score when position decay is on: then its parent scores apart.
         if parent is not None and parent.queue == victim.queue and self._group(parent) == self._group(victim) \
-                and (victim.queue != ST or not self.switches["position_decay"]):
+                and (victim.queue != ST or not self._st_sampled):
             self._next_up = parent
             self._next_stamp = stamp + 1
         return victim
@@ -756,16 +771,16 @@ class SAECachePolicy(EvictionPolicy):
 
     # -- statistics for the learners -----------------------------------------------------------------------------
     def reset_window(self) -> None:
-        """Start a window: the window's counts start over, and the online estimates (continuation model, shared
-        prefixes' reuse rate, the cache's turnover time) are refitted from everything observed so far."""
+        """Start a window: the counts the learners read start over."""
         self._flush()
         self._queue_hits = [0] * N_QUEUES
         # per queue: [n, sum ln gap, sum ln^2 gap] of re-access gaps: session inter-turn gaps (chat, agent), gaps
         # between uses of a shared prefix (structural)
         self._gap_stats = {CH: [0, 0.0, 0.0], AG: [0, 0.0, 0.0], ST: [0, 0.0, 0.0]}
-        if self.cache is None or self._window_t0 is None:
-            return
-        now = self._now
+
+    def _refit(self, now: float) -> None:
+        """Every ``_REFIT_EVERY`` arrivals, whatever the replay's window: the cache's turnover time and the
+        continuation model (its soft labels and correction) are re-estimated from everything observed so far."""
         elapsed = now - self._window_t0
         if elapsed > 0 and self._window_inserted:
             rate = self._window_inserted / elapsed
@@ -774,10 +789,12 @@ class SAECachePolicy(EvictionPolicy):
             self._window_t0 = now
         if self._ins_rate:
             self._horizon = self.cache.capacity / self._ins_rate
-        if self._density:
-            self._p_structural = (self._prefix_reused + 1.0) / (self._prefix_uses + 2.0)
         if self._model is not None:
             self._model.update(now, (self._gaps[CH], self._gaps[AG]))
+        self._changed()
+
+    def _changed(self) -> None:
+        """Ranking constants moved: every group's constants and scores are computed again."""
         self._consts.clear()
         self._cand_now = None
         self._memo_now = None
@@ -821,7 +838,7 @@ class SAECachePolicy(EvictionPolicy):
             if len(lst.stamps) != len(lst.blocks):
                 raise RuntimeError(f"saecache: the list of group {g} lost an entry's stamp or block")
             for _, b in lst.live():
-                if b.queue != ST and b.n_children:
+                if b.n_children and not (b.queue == ST and self._st_sampled):
                     raise RuntimeError(f"saecache: {b!r} is listed but not a leaf")
                 place(g, b, "list")
         for g, heap in self._returned.items():
@@ -840,7 +857,7 @@ class SAECachePolicy(EvictionPolicy):
             if k not in placed:
                 if not b.n_children:
                     raise RuntimeError(f"saecache: evictable {b!r} is in no list")
-                if (b.stamp < 0) != (b.queue == ST):
+                if (b.stamp < 0) != (b.queue == ST and self._st_sampled):
                     raise RuntimeError(f"saecache: parked {b!r} has stamp {b.stamp}")
             if not b.stamp or abs(b.stamp) in stamps:
                 raise RuntimeError(f"saecache: unpinned {b!r} has stamp {b.stamp}, not a unique release stamp")
