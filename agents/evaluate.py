@@ -109,6 +109,7 @@ class CellRunner:
     presets: dict[str, dict[str, Any]] = {
         "saecache": {"policy": "saecache", "agent": "sae_online"},  # the full adaptive method
         "saecache-fixed": {"policy": "saecache", "agent": "fixed"},  # SAECache's default parameters, no learning
+        "saecache-paper": {"policy": "saecache-paper", "agent": "sae_online"},  # the paper's method, its learners
     }
 
     # Agent kinds that run a torch model (they take a ``device`` option).

@@ -5,8 +5,18 @@ For each trace and cache size (a fraction of the trace's distinct blocks), every
 table gives its token hit rate and, in brackets, its share of the LRU-to-Belady gap (0 % = LRU, 100 % = Belady;
 :func:`sae_env.explain.gap_share`). ``python train.py explain`` says where one of these cells' misses come from.
 
+``--criteria`` adds SAECache's margin over the stronger of LRU and LPC in every cell, and checks it: at least
+-0.2 points in every cell, at least +1 point on average over the cells where Belady is more than 5 points above LRU,
+the share of the gap closed on WildChat at 5 %, and SAECache's decision time per request over LPC's (CPU time of the
+replay loop, which is what ``replay``'s decision_us measures in wall time; CPU time is steadier on a shared machine).
+``--seeds`` replays traces whose source draws arrivals or gaps (WildChat's gaps come from our generator) under
+several seeds and adds the mean margin with its 95 % interval per cache size.
+
     python benchmarks/gap_table.py [--traces wildchat,taubench] [--capacities 0.05,0.1,0.2]
                                    [--policies lru,lpc,saecache,reuse-oracle,session-oracle,belady] [--json FILE]
+    python benchmarks/gap_table.py --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady --criteria
+    python benchmarks/gap_table.py --traces wildchat --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady \
+        --criteria --seeds 0,1,2,3,4
 """
 
 from __future__ import annotations
@@ -31,11 +41,58 @@ POLICIES = ("lru", "lpc", "saecache", "reuse-oracle", "session-oracle", "belady"
 
 def hit_rate(trace: Any, name: str, capacity: int, window: int) -> float:
     """Token hit rate of ``name`` as ``train.py replay`` runs it (its online learners, if any, between windows)."""
+    return replay_cell(trace, name, capacity, window)[0]
+
+
+def replay_cell(trace: Any, name: str, capacity: int, window: int) -> tuple[float, float]:
+    """(token hit rate, CPU seconds of the replay loop) of ``name`` as ``train.py replay`` runs it."""
     policy = make_policy(name)
     callbacks = AgentsExtension().replay_callbacks(argparse.Namespace(fixed=False), policy)
     rep = Replay(trace, PrefixCache(capacity, policy), None, window_requests=window, callbacks=callbacks)
+    start = time.process_time()
     rep.run()
-    return summarize(rep.windows)["token_hit_rate"]
+    return summarize(rep.windows)["token_hit_rate"], time.process_time() - start
+
+
+def margin(rate: dict[str, float]) -> float:
+    """SAECache's token hit rate minus the stronger of LRU and LPC, in points."""
+    return 100.0 * (rate["saecache"] - max(rate["lru"], rate["lpc"]))
+
+
+def print_criteria(rows: list[dict[str, Any]], cpu: dict[str, dict[str, float]]) -> None:
+    """The checks of ``--criteria`` over the rows of seed 0 (the embedded traces as shipped)."""
+    base = [r for r in rows if r.get("seed") in (None, 0)]
+    worst = min(base, key=lambda r: margin(r["token_hit_rate"]))
+    below = [r for r in base if margin(r["token_hit_rate"]) < -0.2]
+    wide = [r for r in base if 100 * (r["token_hit_rate"]["belady"] - r["token_hit_rate"]["lru"]) > 5]
+    print("\nSAECache minus max(LRU, LPC), points:")
+    print(f"- every cell >= -0.2: {'yes' if not below else 'no'} (worst {margin(worst['token_hit_rate']):+.2f} on "
+          f"{worst['trace']} at {worst['capacity']:.0%}; below -0.2: "
+          + (", ".join(f"{r['trace']} {r['capacity']:.0%} {margin(r['token_hit_rate']):+.2f}" for r in below)
+             or "none") + ")")
+    if wide:
+        mean = sum(margin(r["token_hit_rate"]) for r in wide) / len(wide)
+        print(f"- mean over the {len(wide)} cells where Belady - LRU > 5 points: {mean:+.2f} (needs >= +1.00)")
+    for r in base:
+        if r["trace"] == "wildchat" and abs(r["capacity"] - 0.05) < 1e-9:
+            print(f"- share of the LRU-to-Belady gap closed on wildchat at 5 %: "
+                  f"{100 * r['gap_share']['saecache']:.1f} % (LPC: {100 * r['gap_share']['lpc']:.1f} %)")
+    print("- decision time per request, CPU (saecache / lpc): " + ", ".join(
+        f"{t} {1e6 * c['saecache'] / c['requests']:.0f} / {1e6 * c['lpc'] / c['requests']:.0f} us = "
+        f"{c['saecache'] / c['lpc']:.2f}x" for t, c in cpu.items()))
+
+
+def print_seed_summary(rows: list[dict[str, Any]]) -> None:
+    """Per trace and capacity over several seeds: the mean margin and its 95 % interval."""
+    from sae_env.intervals import mean_interval
+
+    keys = sorted({(r["trace"], r["capacity"]) for r in rows if r.get("seed") is not None})
+    print("\nOver seeds, SAECache minus max(LRU, LPC), points (mean [95 % interval], min):")
+    for trace, cap in keys:
+        m = [margin(r["token_hit_rate"]) for r in rows if (r["trace"], r["capacity"]) == (trace, cap)]
+        iv = mean_interval(m)
+        ci = "" if iv.half is None else f" [{iv.low:+.2f}, {iv.high:+.2f}]"
+        print(f"- {trace} {cap:.0%}: {iv.mean:+.2f}{ci}, min {min(m):+.2f} over {len(m)} seeds")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default=",".join(POLICIES), help="policies (comma list; lru and belady needed)")
     p.add_argument("--window", type=int, default=200, help="requests per window, as replay's default")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--criteria", action="store_true", help="SAECache's margin over max(LRU, LPC) per cell, checked "
+                   "(needs lru, lpc, saecache and belady), and its decision time over LPC's")
+    p.add_argument("--seeds", metavar="S,S,...", help="replay traces whose source takes a seed under each of these "
+                   "seeds (others once)")
     args = p.parse_args(argv)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     bad = [x for x in policies if x not in policy_names()] + [x for x in ("lru", "belady") if x not in policies]
@@ -56,25 +117,55 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"error: --capacities expects fractions such as 0.05,0.1, got {args.capacities!r}", file=sys.stderr)
         return 2
+    if args.criteria and not {"lru", "lpc", "saecache", "belady"} <= set(policies):
+        print("error: --criteria needs lru, lpc, saecache and belady among --policies", file=sys.stderr)
+        return 2
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
+    except ValueError:
+        print(f"error: --seeds expects whole numbers such as 0,1,2, got {args.seeds!r}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     rows = []
-    print("| trace | capacity | gap (pp) | " + " | ".join(policies) + " |")
-    print("|---|---|---|" + "---|" * len(policies))
+    cpu: dict[str, dict[str, float]] = {}
+    print("| trace | capacity | gap (pp) | " + " | ".join(policies) + (" | margin |" if args.criteria else " |"))
+    print("|---|---|---|" + "---|" * (len(policies) + args.criteria))
     for name in [x.strip() for x in args.traces.split(",") if x.strip()]:
-        trace, _ = open_trace(name, None, {}, None)
-        distinct = trace.distinct_blocks()
-        for f in fractions:
-            capacity = resolve_capacity(f, distinct)
-            rate = {pol: hit_rate(trace, pol, capacity, args.window) for pol in policies}
-            share = {pol: gap_share(rate[pol], rate["lru"], rate["belady"]) for pol in policies}
-            rows.append({"trace": name, "capacity": f, "capacity_blocks": capacity, "token_hit_rate": rate,
-                         "gap_share": share})
-            cells = [f"{100 * rate[pol]:.2f}" + ("" if share[pol] is None else f" ({round(100 * share[pol])} %)")
-                     for pol in policies]
-            print(f"| {name} | {f:.0%} ({capacity:,}) | {100 * (rate['belady'] - rate['lru']):.2f} | "
-                  + " | ".join(cells) + " |", flush=True)
+        for seed in (seeds or [None]):
+            try:
+                trace, _ = open_trace(name, None, {} if seed is None else {"seed": seed}, None)
+            except ValueError:  # a source without arrival seeds: once, as shipped
+                if seed != seeds[0]:
+                    continue
+                trace, _ = open_trace(name, None, {}, None)
+                seed = None
+            label = name if seed is None else f"{name} (seed {seed})"
+            distinct = trace.distinct_blocks()
+            for f in fractions:
+                capacity = resolve_capacity(f, distinct)
+                cells = {pol: replay_cell(trace, pol, capacity, args.window) for pol in policies}
+                rate = {pol: c[0] for pol, c in cells.items()}
+                if seed in (None, 0):
+                    c = cpu.setdefault(name, {"saecache": 0.0, "lpc": 0.0, "requests": 0})
+                    if args.criteria:
+                        c["saecache"] += cells["saecache"][1]
+                        c["lpc"] += cells["lpc"][1]
+                        c["requests"] += len(trace)
+                share = {pol: gap_share(rate[pol], rate["lru"], rate["belady"]) for pol in policies}
+                rows.append({"trace": name, "seed": seed, "capacity": f, "capacity_blocks": capacity,
+                             "token_hit_rate": rate, "gap_share": share})
+                out = [f"{100 * rate[pol]:.2f}" + ("" if share[pol] is None else f" ({round(100 * share[pol])} %)")
+                       for pol in policies]
+                if args.criteria:
+                    out.append(f"{margin(rate):+.2f}")
+                print(f"| {label} | {f:.0%} ({capacity:,}) | {100 * (rate['belady'] - rate['lru']):.2f} | "
+                      + " | ".join(out) + " |", flush=True)
     print(f"\nToken hit rate % (share of the LRU-to-Belady gap); instant serving, window {args.window}; "
           f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if args.criteria:
+        print_criteria(rows, cpu)
+        if seeds:
+            print_seed_summary(rows)
     if args.json:
         write_json(args.json, rows)
     return 0

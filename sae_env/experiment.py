@@ -25,7 +25,9 @@ Unknown keys raise :class:`ConfigError` naming the key and listing the valid one
 generated sources ``synthetic`` and ``mix``, and the embedded workloads built by them such as ``real_shift``, unless
 the spec fixes ``seed``) sets the trace generator's seed to the cell's seed, so that seeds vary the workload and not
 only the agent (for a real mix: its session start times, drawn from Azure's arrival process, and which component
-each start takes; the sessions themselves stay as recorded).
+each start takes; the sessions themselves stay as recorded). ``reseed: true`` also reseeds the recorded-session
+sources that draw their arrival times and turn gaps (``conversations`` such as ``wildchat``, ``taubench``, ``gsm8k``):
+the sessions stay as recorded, their timing changes.
 
 Running (:func:`run_experiment`): traces are built once per (workload, seed) in the driver and put once into Ray's
 object store; cells run as Ray tasks (one CPU each) on a private local cluster (:mod:`sae_env.ray_local`: nothing
@@ -72,6 +74,9 @@ __all__ = ["AgentSpec", "Cell", "CellRunner", "ConfigError", "ExperimentConfig",
            "load_results", "remote_options", "run_experiment"]
 
 GENERATED_SOURCES = frozenset({"synthetic", "mix"})  # sources whose trace comes from a seed
+# Recorded sessions whose arrival times and turn gaps the source draws from a seed (the data have none): reseeded only
+# when a workload says ``reseed: true`` (as shipped, an embedded trace keeps its seed-0 times).
+TIMED_SOURCES = frozenset({"conversations", "taubench", "gsm8k"})
 _MAX_CPUS = 65536  # of a local Ray cluster: more is a typo, and Ray would fail deep inside
 
 
@@ -137,7 +142,7 @@ class WorkloadSpec:
 
     name: str
     trace: str | dict[str, Any]
-    reseed: bool  # the cell's seed becomes the generator's seed
+    reseed: bool  # the cell's seed becomes the source's seed
 
     @classmethod
     def from_config(cls, data: Any, where: str) -> WorkloadSpec:
@@ -162,9 +167,9 @@ class WorkloadSpec:
         reseed = d.get("reseed", generated)
         if not isinstance(reseed, bool):
             raise ConfigError(f"{where}.reseed: expected true or false, got {reseed!r}")
-        if reseed and source not in GENERATED_SOURCES:
-            raise ConfigError(f"{where}.reseed: only generated sources ({', '.join(sorted(GENERATED_SOURCES))}) "
-                              f"take a seed; {source!r} is data")
+        if reseed and source not in GENERATED_SOURCES | TIMED_SOURCES:
+            raise ConfigError(f"{where}.reseed: only sources that draw from a seed "
+                              f"({', '.join(sorted(GENERATED_SOURCES | TIMED_SOURCES))}) take one; {source!r} is data")
         return cls(_name(name, f"{where}.name"), trace, reseed)
 
     def spec_for(self, seed: int) -> str | dict[str, Any]:

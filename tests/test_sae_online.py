@@ -32,6 +32,14 @@ from sae_env.replay import Replay
 from sae_env.sources import load_source
 from sae_env.trace import N_APP_TYPES, N_TOKEN_TYPES, AppType, TokenType, Trace, TraceBuilder
 
+# The learners move the paper's three multiplicative mechanisms too, which the default policy switches off.
+LEARNED = {"type_weights": True, "adaptive_alpha": True, "position_decay": True}
+
+
+def sae(**options) -> SAECachePolicy:
+    """A SAECache policy with every mechanism the learners set switched on (options override)."""
+    return SAECachePolicy(**{**LEARNED, **options})
+
 T = TokenType
 SPECS = {p.name: p for p in PARAM_SPECS}
 X_CENTRES = (np.arange(10) + 0.5) / 10
@@ -88,7 +96,7 @@ def trace_log_gaps(trace: Trace, app: AppType) -> np.ndarray:
 @pytest.mark.parametrize("gap_decay,gap_prior", [(0.7, 50.0), (1.0, 0.0)])
 def test_streaming_gap_fit_converges_to_the_chat_gap_distribution(gap_decay, gap_prior):
     tr = gap_trace()
-    policy = SAECachePolicy()
+    policy = sae()
     learner = SAEOnlineLearner(gap_decay=gap_decay, gap_prior=gap_prior)
     Replay(tr, PrefixCache(200, policy), window_requests=200, callbacks=[learner.callback()]).run()
     p = policy.params
@@ -105,7 +113,7 @@ def test_streaming_gap_fit_converges_to_the_chat_gap_distribution(gap_decay, gap
 
 
 def test_gap_fit_waits_for_min_gaps_and_forgets():
-    policy = SAECachePolicy()
+    policy = sae()
     learner = SAEOnlineLearner(min_gaps=10, gap_decay=0.5, gap_prior=0.0)
     lg = np.log([2.0, 3.0, 5.0])
     few = {"gap_stats": {"chat": [3, lg.sum(), (lg ** 2).sum()], "agent": [0, 0.0, 0.0]}}
@@ -122,7 +130,7 @@ def test_gap_fit_waits_for_min_gaps_and_forgets():
 
 def test_gap_prior_shrinks_towards_the_current_values():
     """``gap_prior`` pseudo-gaps at the current (mu, sigma) join the decayed statistics of the window."""
-    policy = SAECachePolicy(params={"mu_chat": 4.0, "sigma_chat": 1.0})
+    policy = sae(params={"mu_chat": 4.0, "sigma_chat": 1.0})
     n0 = 30.0
     learner = SAEOnlineLearner(gap_prior=n0)
     n, s1, s2 = 40, 40 * 1.0, 40 * (1.0 + 0.09)  # 40 gaps of mean ln 1.0, std 0.3
@@ -155,7 +163,7 @@ def type_window(mae_user: int, held_reasoning: int = 20) -> WindowStats:
 
 
 def test_type_weight_rises_with_regretted_evictions():
-    policy = SAECachePolicy()
+    policy = sae()
     learner = SAEOnlineLearner()
     rel = []
     for k in range(8):
@@ -168,7 +176,7 @@ def test_type_weight_rises_with_regretted_evictions():
 
 
 def test_type_weight_of_held_but_unreferenced_type_falls():
-    policy = SAECachePolicy()
+    policy = sae()
     learner = SAEOnlineLearner()
     w = []
     for _ in range(10):
@@ -182,7 +190,7 @@ def test_type_weight_of_held_but_unreferenced_type_falls():
 
 def test_type_weights_one_step_formula():
     cfg = OnlineConfig()
-    policy = SAECachePolicy()
+    policy = sae()
     learner = SAEOnlineLearner(cfg)
     s = type_window(mae_user=30)
     refs, hits, mae = (np.array(v, float) for v in (s.refs_by_type, s.hits_by_type, s.miss_after_eviction_by_type))
@@ -197,7 +205,7 @@ def test_type_weights_one_step_formula():
 
 
 def test_type_weights_frozen_when_switched_off():
-    policy = SAECachePolicy(type_weights=False)
+    policy = sae(type_weights=False)
     SAEOnlineLearner().update(type_window(mae_user=50), policy)
     assert all(policy.params[f"w_{t.name.lower()}"] == 1.0 for t in TokenType)
 
@@ -266,7 +274,7 @@ def gamma_after(hits_per_request, n_blocks: int = 10, gamma0: float = 1.0, **cfg
     """One learner update on a window of structural prompts; returns (new gamma, the window's fitted gamma)."""
     tr = structural_trace(len(hits_per_request), n_blocks)
     s = stats(start=0, requests=len(hits_per_request), hits_per_request=hits_per_request)
-    policy = SAECachePolicy(params={"gamma": gamma0})
+    policy = sae(params={"gamma": gamma0})
     SAEOnlineLearner(**cfg).update(s, policy, tr)
     return policy.params["gamma"], fit_gamma(*structural_offset_profile(tr, s))
 
@@ -292,7 +300,7 @@ def test_gamma_moves_monotonically_towards_the_fit():
     tr = structural_trace(10, 10)
     s = stats(start=0, requests=10, hits_per_request=[9] * 10)
     fitted = fit_gamma(*structural_offset_profile(tr, s))
-    policy = SAECachePolicy()
+    policy = sae()
     learner = SAEOnlineLearner()
     g = [policy.params["gamma"]]
     for _ in range(12):
@@ -306,10 +314,10 @@ def test_gamma_needs_enough_structural_references_and_the_switch():
     assert gamma_after([1] * 4)[0] == 1.0  # 40 structural references < min_structural_refs = 50
     tr = structural_trace(10, 10)
     s = stats(start=0, requests=10, hits_per_request=[1] * 10)
-    policy = SAECachePolicy(position_decay=False)
+    policy = sae(position_decay=False)
     SAEOnlineLearner().update(s, policy, tr)
     assert policy.params["gamma"] == 1.0
-    policy = SAECachePolicy()
+    policy = sae()
     SAEOnlineLearner().update(s, policy, None)  # no trace, no profile
     assert policy.params["gamma"] == 1.0
 
@@ -345,7 +353,7 @@ def alpha_window(queue_hits, queue_occupancy) -> WindowStats:
 
 
 def test_alpha_shifts_towards_the_queue_with_more_hits_per_held_block():
-    policy = SAECachePolicy()
+    policy = sae()
     learner = SAEOnlineLearner()
     traj = []
     for _ in range(6):
@@ -359,7 +367,7 @@ def test_alpha_shifts_towards_the_queue_with_more_hits_per_held_block():
 
 def test_alpha_one_step_formula_and_absent_queue():
     cfg = OnlineConfig()
-    policy = SAECachePolicy()
+    policy = sae()
     SAEOnlineLearner(cfg).update(alpha_window([7, 40, 10, 0], [3, 80, 50, 0]), policy)
     eff = np.array([40 / 80, 10 / 50])
     z = eff / eff.mean() / cfg.temperature
@@ -373,7 +381,7 @@ def test_alpha_one_step_formula_and_absent_queue():
 
 @pytest.mark.parametrize("switch", ["adaptive_alpha", "multi_queue"])
 def test_alpha_frozen_when_switched_off(switch):
-    policy = SAECachePolicy(**{switch: False})
+    policy = sae(**{switch: False})
     SAEOnlineLearner().update(alpha_window([0, 10, 100, 10], [5, 100, 100, 100]), policy)
     assert policy.params["alpha_st"] == policy.params["alpha_ch"] == policy.params["alpha_ag"] == 1.0
 
@@ -384,10 +392,10 @@ def test_alpha_frozen_when_switched_off(switch):
 
 def test_callback_equals_update_by_hand():
     tr = load_source("synthetic", None, preset="tiny")[0]
-    p1, l1 = SAECachePolicy(), SAEOnlineLearner(min_gaps=3, min_structural_refs=10)
+    p1, l1 = sae(), SAEOnlineLearner(min_gaps=3, min_structural_refs=10)
     r1 = Replay(tr, PrefixCache(40, p1), window_requests=10, callbacks=[l1.callback()])
     r1.run()
-    p2, l2 = SAECachePolicy(), SAEOnlineLearner(min_gaps=3, min_structural_refs=10)
+    p2, l2 = sae(), SAEOnlineLearner(min_gaps=3, min_structural_refs=10)
     r2 = Replay(tr, PrefixCache(40, p2), window_requests=10)
     while not r2.done:
         l2.update(r2.step(), p2, tr)
@@ -395,7 +403,7 @@ def test_callback_equals_update_by_hand():
     assert p1.params == p2.params
     assert [w.to_dict() for w in r1.windows] == [w.to_dict() for w in r2.windows]
     # the learner did move something of every kind
-    d = SAECachePolicy().params
+    d = sae().params
     moved = {k for k in d if p1.params[k] != d[k]}
     assert {"mu_chat", "mu_agent", "gamma", "alpha_ch", "w_user"} <= moved, moved
 
