@@ -370,7 +370,8 @@ def test_wandb_offline_runs_hold_the_metrics(tmp_path, wandb_dirs):
         assert logged["summary"]["final/token_hit_rate"] == pytest.approx(result["summary"]["token_hit_rate"])
     adaptive = runs["tiny__cap0.2__saecache__s0"]["history"]
     assert {"params/alpha_st", "params/w_reasoning", "params/gamma"} <= set(adaptive[0])
-    assert len({h["params/gamma"] for h in adaptive}) > 1  # the parameter trajectory moves
+    moving = [k for k in adaptive[0] if k.startswith("params/") and len({h[k] for h in adaptive}) > 1]
+    assert moving  # the parameter trajectory moves
 
 
 def test_wandb_failure_warns_once_and_the_run_finishes(tmp_path, monkeypatch):
