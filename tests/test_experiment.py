@@ -87,7 +87,7 @@ def first_difference(a: object, b: object, path: str = "") -> str | None:
     ({"wandb": {"mode": "cloud"}}, "wandb.mode: 'cloud' is not one of offline, online, disabled"),
     ({"ray": {"num_cpus": 0}}, "ray.num_cpus: expected an integer >= 1"),
     ({"ray": {"retry": 3}}, "ray: unknown key(s) ['retry']; valid keys: enabled, address, num_cpus, retries"),
-    ({"workloads": [{"name": "x", "trace": "bailian", "reseed": True}]}, "workloads[0].reseed: only generated"),
+    ({"workloads": [{"name": "x", "trace": "bailian", "reseed": True}]}, "workloads[0].reseed: only sources that draw"),
     ({"workloads": [{"name": "x y", "trace": "bailian"}]}, "workloads[0].name: 'x y' is not a valid name"),
     ({"name": None}, "name: None is not a valid name"),
     # issue 15: these passed validation and then failed every cell (exit 1), or were tracebacks
