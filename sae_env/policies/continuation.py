@@ -217,7 +217,8 @@ class ContinuationModel:
                 self._label(i, 0.0)
         pend = np.fromiter(self._pending.keys(), dtype=np.int64, count=len(self._pending))
         idle = now - np.array([t for t, _ in self._pending.values()], dtype=np.float64)
-        surv = np.array([gaps[queue[i]].sf(c) for i, c in zip(pend.tolist(), idle.tolist(), strict=True)])
+        agent = np.asarray(queue, dtype=bool)[pend] if pend.size else np.zeros(0, dtype=bool)
+        surv = np.where(agent, gaps[1].sf_array(idle), gaps[0].sf_array(idle)) if pend.size else np.zeros(0)
         bucket = np.asarray(self._bucket, dtype=np.int64)[pend] if pend.size else np.zeros(0, dtype=np.int64)
         a, b = self.prior
         k = self.max_turn + 1

@@ -747,11 +747,15 @@ class SAECachePolicy(EvictionPolicy):
         self._occupancy[victim.queue] -= 1
         victim.stamp = 0
         parent = victim.parent
-        # A structural block's offset weighs its score when position decay is on: then its parent scores apart.
-        if parent is not None and parent.queue == victim.queue and self._group(parent) == self._group(victim) \
-                and (victim.queue != ST or not self._st_sampled):
-            self._next_up = parent
-            self._next_stamp = stamp + 1
+        if parent is not None and parent.queue == victim.queue:
+            q = victim.queue
+            if q == CH or q == AG:  # their group is in pdata, set at release
+                same = parent.pdata == victim.pdata
+            else:  # a sampled structural group weighs each block's offset: its parent scores apart
+                same = not (q == ST and self._st_sampled) and (not self._typed or parent.type == victim.type)
+            if same:
+                self._next_up = parent
+                self._next_stamp = stamp + 1
         return victim
 
     def _evictable(self) -> list[Block]:
