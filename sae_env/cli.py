@@ -233,10 +233,7 @@ def _replay_inputs(args: argparse.Namespace) -> tuple[Trace, int, int]:
     if args.load is not None:
         trace = apply_load(trace, args.serving, args.load)
     distinct = trace.distinct_blocks()
-    kv_bytes = None
-    if args.serving != "instant":
-        server_probe = make_server(args.serving)
-        kv_bytes = getattr(getattr(getattr(server_probe, "cost", None), "model", None), "kv_bytes_per_token", None)
+    kv_bytes = make_server(args.serving).kv_bytes_per_token
     capacity = resolve_capacity(args.capacity, distinct, kv_bytes, trace.block_size)
     if capacity > 100 * max(distinct, 1):
         raise UsageError(f"capacity {capacity} blocks is more than 100x the trace's {distinct} distinct blocks; "
@@ -326,13 +323,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def apply_load(trace: Trace, serving: str, target: float) -> Trace:
     """Rescale arrival times so that the uncached prefill work over the trace span equals ``target``."""
-    from sae_env.serving import make_server, scale_to_utilisation
+    from sae_env.serving import at_load, make_server
 
     server = make_server(serving)
     if not server.timed:
         raise UsageError("--load needs a timed serving model (e.g. --serving qwen2.5-1.5b@a40), not 'instant'")
-    service = server.cost.prefill_times(trace.prompt_tokens, 0)
-    return trace.with_times(scale_to_utilisation(trace.t, service, target))
+    return at_load(trace, server, target)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -37,7 +37,7 @@ from sae_env.metrics import WindowStats
 from sae_env.policies import make_policy, policy_class
 from sae_env.policies.base import EvictionPolicy, ParamSpec
 from sae_env.replay import Replay
-from sae_env.serving import make_server, scale_to_utilisation
+from sae_env.serving import at_load, make_server
 from sae_env.trace import N_APP_TYPES, N_TOKEN_TYPES, AppType, TokenType, Trace
 
 __all__ = ["DEFAULT_TRACE", "ENV_ID", "REWARDS", "PrefixCacheEnv", "action_to_values", "values_to_action",
@@ -545,10 +545,9 @@ class PrefixCacheEnv(gym.Env):
             raise ValueError("segment_start needs segment_requests smaller than the trace")
         server = make_server(self.serving)
         if self.load is not None:
-            service = server.cost.prefill_times(trace.prompt_tokens, 0)
-            trace = trace.with_times(scale_to_utilisation(trace.t, service, self.load))
-        kv_bytes = getattr(getattr(getattr(server, "cost", None), "model", None), "kv_bytes_per_token", None)
-        capacity = resolve_capacity(self.capacity, trace.distinct_blocks(), kv_bytes, trace.block_size)
+            trace = at_load(trace, server, self.load)
+        capacity = resolve_capacity(self.capacity, trace.distinct_blocks(), server.kv_bytes_per_token,
+                                    trace.block_size)
         policy = make_policy(self.policy_name, **self.policy_options)
         cache = PrefixCache(capacity, policy, ghost_capacity=self.ghost_capacity, cache_outputs=self.cache_outputs)
         self.trace = trace

@@ -808,8 +808,7 @@ def _preflight(config: ExperimentConfig, runner: CellRunner, cells: list[Cell], 
         if agent.name in used:
             agent.check(f"agents[{i}]", runner, files=True)
 
-    cost = getattr(make_server(config.serving.model), "cost", None)
-    kv_bytes = getattr(getattr(cost, "model", None), "kv_bytes_per_token", None)
+    kv_bytes = make_server(config.serving.model).kv_bytes_per_token
     seen = set()
     for cell in cells:
         key = (_trace_key(config, cell), repr(cell.capacity))

@@ -35,6 +35,7 @@ from sae_env import fast_engine
 from sae_env.cache import PrefixCache
 from sae_env.metrics import OFFSET_BUCKETS, WindowStats, offset_bucket_edges
 from sae_env.policies.base import EvictionPolicy
+from sae_env.serving import Server
 from sae_env.trace import N_APP_TYPES, N_TOKEN_TYPES, Trace
 
 __all__ = ["ENGINES", "Replay", "WindowCallback", "replay"]
@@ -65,7 +66,8 @@ class Replay:
             it cannot run this replay). :attr:`engine` tells which one runs.
     """
 
-    def __init__(self, trace: Trace, cache: PrefixCache, server: Any = None, *, window_requests: int | None = None,
+    def __init__(self, trace: Trace, cache: PrefixCache, server: Server | None = None, *,
+                 window_requests: int | None = None,
                  window_seconds: float | None = None, callbacks: list[WindowCallback] | tuple = (),
                  check: bool = False, engine: str = "auto"):
         if engine not in ENGINES:
@@ -81,7 +83,7 @@ class Replay:
         self.trace = trace
         self._cache = cache
         self.policy = cache.policy
-        self.server = server if server is not None and getattr(server, "timed", False) else None
+        self.server = server if server is not None and server.timed else None
         self.window_requests = None if window_requests is None else int(window_requests)
         self.window_seconds = window_seconds
         self.callbacks = list(callbacks)
@@ -323,7 +325,8 @@ class Replay:
             ttft_ms=ttft, queue_ms=queue, hits_per_request=hits, policy=self.policy.window_stats())
 
 
-def replay(trace: Trace, policy: EvictionPolicy, capacity: int, server: Any = None, **kwargs: Any) -> Replay:
+def replay(trace: Trace, policy: EvictionPolicy, capacity: int, server: Server | None = None,
+           **kwargs: Any) -> Replay:
     """Build a cache for ``policy`` and replay the whole trace; returns the finished :class:`Replay`.
 
     ``ghost_capacity`` and ``cache_outputs`` go to :class:`PrefixCache`, ``progress`` to :meth:`Replay.run`, the
