@@ -195,10 +195,10 @@ def run(trace: Trace, capacity: int, *, timed: bool = False, window_requests: in
     return r, a
 
 
-def lru_run(trace: Trace, capacity: int, timed: bool = False) -> tuple[Replay, list[int]]:
-    lru = make_policy("lru")
+def record_victims(policy) -> list[int]:
+    """Wrap ``policy.evict`` so that the victims' keys are appended, in order, to the returned list."""
     victims: list[int] = []
-    inner = lru.evict
+    inner = policy.evict
 
     def evict(now):
         v = inner(now)
@@ -206,7 +206,13 @@ def lru_run(trace: Trace, capacity: int, timed: bool = False) -> tuple[Replay, l
             victims.append(v.key)
         return v
 
-    lru.evict = evict
+    policy.evict = evict
+    return victims
+
+
+def lru_run(trace: Trace, capacity: int, timed: bool = False) -> tuple[Replay, list[int]]:
+    lru = make_policy("lru")
+    victims = record_victims(lru)
     r = Replay(trace, PrefixCache(capacity, lru), make_server(SERVER) if timed else None, window_requests=1,
                check=True)
     r.run()
@@ -780,16 +786,7 @@ def test_decisions_never_read_the_future(timed):
 
     def replay(tr):
         policy = SAECachePolicy()
-        victims = []
-        inner = policy.evict
-
-        def evict(now):
-            v = inner(now)
-            if v is not None:
-                victims.append(v.key)
-            return v
-
-        policy.evict = evict
+        victims = record_victims(policy)
         r = Replay(tr, PrefixCache(cap, policy), make_server(SERVER) if timed else None, window_requests=25,
                    callbacks=[SAEOnlineLearner().callback()])
         r.run()

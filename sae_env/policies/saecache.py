@@ -595,15 +595,7 @@ class SAECachePolicy(EvictionPolicy):
     def _newest(self, g: int, lst: _RecencyList) -> Block | None:
         """Group ``g``'s most recently released evictable block: the newer of its list's tail and the top of its
         newest-first returned-heap (dead entries dropped from both)."""
-        stamps, members = lst.stamps, lst.blocks
-        best = None
-        while stamps:
-            b = members[-1]
-            if b.stamp == stamps[-1] and not b.pins:  # live, hence a leaf
-                best = b
-                break
-            stamps.pop()
-            members.pop()
+        best = _live_end(lst, -1)
         heap = self._returned_new.get(g)
         while heap:
             s, _, b = heap[0]
@@ -632,16 +624,9 @@ class SAECachePolicy(EvictionPolicy):
             # A chat, agent or PE group's oldest evictable block is the older of its list head and its heap top
             # (see on_release); both compete, as the first leaf of a list and its heap top always did. Under
             # ``density`` the newest competes too: the density rises, then falls, with idle time (survival.py).
-            cands = []
             lst = self._lists[g]
-            stamps, members = lst.stamps, lst.blocks
-            while stamps:
-                b = members[0]
-                if b.stamp == stamps[0] and not b.pins:  # live, hence a leaf
-                    cands.append(b)
-                    break
-                stamps.popleft()
-                members.popleft()
+            b = _live_end(lst, 0)
+            cands = [] if b is None else [b]
             heap = self._returned.get(g)
             while heap:
                 s, _, b = heap[0]
@@ -897,6 +882,20 @@ def _survival(kind: int, c1: float, c2: float, dt: float, x: float | None) -> fl
     if kind == _POSITION:  # c1 = gamma, x = the block's relative offset
         return 1.0 - x ** c1
     return 1.0
+
+
+def _live_end(lst: _RecencyList, end: int) -> Block | None:
+    """The first live entry of a (non-structural) recency list from its head (``end=0``) or its tail (``-1``),
+    dropping the dead entries on the way; live there means an unpinned leaf."""
+    stamps, members = lst.stamps, lst.blocks
+    drop_s, drop_m = (stamps.popleft, members.popleft) if end == 0 else (stamps.pop, members.pop)
+    while stamps:
+        b = members[end]
+        if b.stamp == stamps[end] and not b.pins:
+            return b
+        drop_s()
+        drop_m()
+    return None
 
 
 def _structural_prefix_end(trace: Trace) -> list[int | None]:
