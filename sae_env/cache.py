@@ -18,7 +18,8 @@ events that change that state through a small hook interface (:class:`sae_env.po
 return a victim from :meth:`~sae_env.policies.base.EvictionPolicy.evict`; the cache checks that the victim really
 is evictable and raises ``RuntimeError`` if a policy breaks that invariant.
 
-Evicted keys go to a bounded *ghost* record (their type and queue) so that a later request for one of
+Blocks are :class:`~sae_env.block.Block` objects. Evicted keys go to a bounded *ghost* record
+(:class:`~sae_env.ghosts.GhostRecord`: their type and queue) so that a later request for one of
 them is counted as a *miss after eviction* (a regretted eviction), per token type and per queue; those on output
 blocks (a later request decoding an evicted output again) are also counted apart, so that the prompt's share is
 known.
@@ -34,110 +35,17 @@ made there too (``tests/test_fast_engine.py`` compares the two field for field).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from sae_env.block import Block, queue_type_code, split_queue_type
+from sae_env.ghosts import GhostRecord
+from sae_env.policies.base import EvictionPolicy
 from sae_env.trace import N_TOKEN_TYPES
 
-if TYPE_CHECKING:
-    from sae_env.policies.base import EvictionPolicy
-
 __all__ = ["Block", "CacheObserver", "GhostRecord", "PrefixCache", "resolve_capacity"]
-
-
-class Block:
-    """One cached KV block. Slotted: a cache may hold millions of these."""
-
-    __slots__ = ("key", "parent", "depth", "n_children", "pins", "type", "queue", "last_access", "hits", "stamp",
-                 "pdata")
-
-    def __init__(self, key: int, parent: Block | None, depth: int, btype: int, now: float):
-        self.key = key  # prefix-chained block key
-        self.parent = parent  # the cached block before this one (None for a prompt's first block)
-        self.depth = depth  # position of the block in its sequence, 0 = first block
-        self.n_children = 0  # number of cached children; 0 = leaf
-        self.pins = 0  # number of in-flight requests using this block; > 0 = not evictable
-        self.type = btype  # TokenType value
-        self.queue = 0  # queue the policy put it in (0 for single-queue policies)
-        self.last_access = now  # trace time of the last use: hit or insertion, and the release by its last user
-        self.hits = 0  # number of hits since insertion
-        self.stamp = 0  # policy bookkeeping: names the block's live heap entry / release order (0 = none)
-        self.pdata = None  # policy-private data (e.g. a heap entry or a priority)
-
-    def __repr__(self) -> str:
-        return (f"Block(key={self.key}, depth={self.depth}, type={self.type}, queue={self.queue}, "
-                f"pins={self.pins}, children={self.n_children})")
-
-
-class GhostRecord(dict):
-    """Evicted keys, at most ``capacity`` of them, the oldest dropped first: key -> ``queue * 8 + type``.
-
-    A plain dict (``key in ghosts`` runs at C speed on the insertion path; iteration is eviction order, oldest
-    first, as keys are only ever added at the end or removed) plus a deque of keys in eviction order, so that the
-    oldest is dropped in O(1). This is the ordered record an ``OrderedDict`` would give, at about half its memory
-    (no linked-list node per key). A ghost that comes back (:meth:`take`) leaves its deque entry behind, as removing
-    it from the middle would cost O(n): ``_stale[key]`` counts such entries, which are always older than the key's
-    live entry, so the oldest entry of a key with no stale count left is the live one. The deque is compacted when
-    it grows past twice the capacity, so stale entries cost O(1) amortised.
-    """
-
-    __slots__ = ("capacity", "_order", "_stale")
-
-    def __init__(self, capacity: int):
-        super().__init__()
-        self.capacity = int(capacity)
-        self._order: deque[int] = deque()  # keys in eviction order, oldest first; stale entries included
-        self._stale: dict[int, int] = {}  # key -> its entries in _order that are no longer live
-
-    def add(self, key: int, code: int) -> None:
-        """Remember an evicted key (a key already remembered keeps its place, as in an OrderedDict)."""
-        if self.capacity <= 0:
-            return
-        if key in self:
-            self[key] = code
-            return
-        self[key] = code
-        order = self._order
-        order.append(key)
-        if len(self) > self.capacity:
-            stale = self._stale
-            while True:  # drop the oldest live ghost, skipping stale entries on the way
-                k = order.popleft()
-                n = stale.get(k)
-                if n is None:
-                    del self[k]
-                    break
-                if n == 1:
-                    del stale[k]
-                else:
-                    stale[k] = n - 1
-        if len(order) > 2 * self.capacity + 16:
-            self._order = deque(self)  # iteration order is eviction order: the live entries, oldest first
-            self._stale.clear()
-
-    def take(self, key: int) -> int:
-        """Forget a ghost that came back; returns its ``queue * 8 + type``."""
-        code = self.pop(key)
-        self._stale[key] = self._stale.get(key, 0) + 1
-        return code
-
-    def check(self) -> None:
-        """Raise RuntimeError if the deque's live entries disagree with the dict or the bound is broken."""
-        if len(self) > max(0, self.capacity):
-            raise RuntimeError("ghost record exceeds its bound")
-        stale = dict(self._stale)
-        live = []
-        for k in self._order:
-            n = stale.get(k, 0)
-            if n:
-                stale[k] = n - 1
-            else:
-                live.append(k)
-        if live != list(self) or any(stale.values()):
-            raise RuntimeError("ghost record: its order disagrees with its keys")
 
 
 class CacheObserver(Protocol):
@@ -147,7 +55,7 @@ class CacheObserver(Protocol):
       request: its missing prompt blocks at admission (``prompt`` True; one call per request with a miss, in
       admission order) or its output blocks at completion (``prompt`` False). Blocks may still be bypassed.
     * ``on_ghost_hit(j, code, now)``: ``keys[j]`` of the current run was in the ghost record (``code`` is
-      ``queue * 8 + type`` at its eviction); counted as a miss after eviction.
+      its :func:`~sae_env.block.queue_type_code` at its eviction); counted as a miss after eviction.
     * ``on_evict(victim, now)``: ``victim`` left the cache (its fields still hold its last state).
     """
 
@@ -236,7 +144,7 @@ class PrefixCache:
         self.cache_outputs = cache_outputs
         self.blocks: dict[int, Block] = {}  # key -> Block, every cached block
         self.ghost_capacity = self.capacity if ghost_capacity is None else int(ghost_capacity)
-        # Evicted keys in eviction order (oldest first), bounded: key -> queue * 8 + type, one small int (a
+        # Evicted keys in eviction order (oldest first), bounded: key -> queue-type code, one small int (a
         # tuple per ghost would cost more memory than the cached block itself).
         self.ghosts = GhostRecord(self.ghost_capacity)
         # Counters since the last reset_counters(); the replay turns them into WindowStats.
@@ -249,11 +157,9 @@ class PrefixCache:
         self.observer: CacheObserver | None = None
         self.occupancy_by_type = [0] * N_TOKEN_TYPES  # cached blocks per TokenType, kept up to date
         policy.attach(self)
-        from sae_env.policies.base import EvictionPolicy
-
         # Skip the call when the policy keeps the no-op default: one fewer call per request on the hot path.
-        self._policy_sees_hits = type(policy).on_hit is not EvictionPolicy.on_hit
-        self._policy_sees_inserts = type(policy).on_insert is not EvictionPolicy.on_insert
+        self._policy_sees_hits = policy.overrides("on_hit")
+        self._policy_sees_inserts = policy.overrides("on_insert")
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -398,7 +304,7 @@ class PrefixCache:
                 # Looked up before evicting: the eviction that makes room could push this very key out of a full
                 # ghost record.
                 code = ghosts.take(k)
-                queue, btype = divmod(code, 8)
+                queue, btype = split_queue_type(code)
                 self.miss_after_eviction[btype] += 1
                 self.miss_after_eviction_queue[queue] = self.miss_after_eviction_queue.get(queue, 0) + 1
                 if first_depth is not None:
@@ -437,7 +343,7 @@ class PrefixCache:
                 self.policy.on_leaf(parent)
         victim.parent = None
         self.evictions += 1
-        self.ghosts.add(victim.key, victim.queue * 8 + victim.type)
+        self.ghosts.add(victim.key, queue_type_code(victim.queue, victim.type))
         if self.observer is not None:
             self.observer.on_evict(victim, now)
         return True

@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from sae_env.cache import Block, PrefixCache
+from sae_env.block import Block, split_queue_type
+from sae_env.cache import PrefixCache
 from sae_env.metrics import offset_bucket_edges, summarize
 from sae_env.policies import make_policy
 from sae_env.policies.base import EvictionPolicy
@@ -261,7 +262,7 @@ def explain(trace: Trace, policy: str, capacity: int, *, build: Builder | None =
     if recorder.regret:
         run, j, code, idle_s = (np.asarray(c) for c in zip(*recorder.regret, strict=True))
         at = trace.prompt_offsets[with_miss[run]] + j
-        regret[at], queue[at], idle[at] = True, code // 8, idle_s
+        regret[at], queue[at], idle[at] = True, split_queue_type(code)[0], idle_s
     if np.isnan(idle[regret]).any():
         raise RuntimeError("explain: a regretted block without its eviction")
     x_summary = summarize(x.windows, policy=policy)

@@ -47,10 +47,6 @@ _EDGES = offset_bucket_edges()
 ENGINES = ("auto", "python", "fast")
 
 
-def _overrides(policy: EvictionPolicy, name: str) -> bool:
-    return getattr(type(policy), name) is not getattr(EvictionPolicy, name)
-
-
 class Replay:
     """Replays ``trace`` through ``cache`` (and its policy) and an optional prefill ``server``.
 
@@ -96,8 +92,8 @@ class Replay:
         self._inflight: dict[int, list] = {}  # request -> pinned path
         self._pending_ttft: list[float] = []
         self._pending_queue: list[float] = []
-        self._has_ctx = _overrides(self.policy, "on_request")
-        self._has_done = _overrides(self.policy, "on_complete")
+        self._has_ctx = self.policy.overrides("on_request")
+        self._has_done = self.policy.overrides("on_complete")
         self.policy.bind(trace)
         self._fast: fast_engine.FastEngine | None = None
         if engine != "python":

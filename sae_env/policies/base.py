@@ -34,15 +34,26 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from sae_env.block import Block
+
 if TYPE_CHECKING:
-    from sae_env.cache import Block, PrefixCache
     from sae_env.trace import Trace
 
-__all__ = ["EvictionPolicy", "KeyedPolicy", "ParamSpec"]
+__all__ = ["BlockTable", "EvictionPolicy", "KeyedPolicy", "ParamSpec"]
+
+
+class BlockTable(Protocol):
+    """What a policy may read of the cache it is attached to (:class:`sae_env.cache.PrefixCache`): its blocks by
+    key, its capacity and its size. Everything else reaches a policy through the hooks."""
+
+    blocks: dict[int, Block]
+    capacity: int
+
+    def __len__(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -75,14 +86,20 @@ class EvictionPolicy:
     queue_names: tuple[str, ...] = ("cache",)  # the name of each queue id the policy puts blocks in (Block.queue)
 
     def __init__(self) -> None:
-        self.cache: PrefixCache | None = None
+        self.cache: BlockTable | None = None
         self._params: dict[str, float] = {p.name: p.default for p in self.param_specs}
 
     # -- wiring --------------------------------------------------------------------------------------------
-    def attach(self, cache: PrefixCache) -> None:
+    def attach(self, cache: BlockTable) -> None:
         if self.cache is not None and self.cache is not cache:
             raise RuntimeError(f"policy {self.name!r} is already attached to another cache; build a new one")
         self.cache = cache
+
+    @classmethod
+    def overrides(cls, hook: str) -> bool:
+        """Whether this policy implements ``hook`` rather than inheriting the no-op: the cache and the replay skip
+        a no-op call on their hot paths."""
+        return getattr(cls, hook) is not getattr(EvictionPolicy, hook)
 
     def bind(self, trace: Trace) -> None:
         """Called once before replaying ``trace``."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sae_env.cache import Block
+from sae_env.block import Block
 from sae_env.policies.base import KeyedPolicy
 from sae_env.trace import Trace
 

@@ -6,7 +6,7 @@ must be made there too (``tests/test_fast_engine.py`` compares the two hit for h
 
 from __future__ import annotations
 
-from sae_env.cache import Block
+from sae_env.block import Block
 from sae_env.policies.base import KeyedPolicy
 
 

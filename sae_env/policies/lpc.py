@@ -63,7 +63,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from sae_env.cache import Block
+from sae_env.block import Block
 from sae_env.policies.base import KeyedPolicy, ParamSpec
 from sae_env.trace import Trace
 

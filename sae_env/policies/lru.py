@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from sae_env.cache import Block
+from sae_env.block import Block
 from sae_env.policies.base import EvictionPolicy
 
 

@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from sae_env.cache import Block
+from sae_env.block import Block
 from sae_env.policies.base import KeyedPolicy
 from sae_env.policies.belady import NEVER, BeladyPolicy
 from sae_env.trace import Trace

@@ -73,7 +73,7 @@ from typing import Any
 
 import numpy as np
 
-from sae_env.cache import Block
+from sae_env.block import TYPE_SLOTS, Block, queue_type_code, split_queue_type
 from sae_env.policies.base import EvictionPolicy, ParamSpec
 from sae_env.policies.continuation import ContinuationModel
 from sae_env.policies.survival import ExponentialGaps, LognormalGaps
@@ -92,7 +92,7 @@ _CONSTANT, _LOGNORMAL, _EXPONENTIAL, _POSITION, _DENSITY = range(5)  # kinds of 
 _BIN = 0.5  # bin width in logit units
 _LOGIT_MAX = 7.0  # bins cover p in [sigmoid(-7), sigmoid(7)] = [0.0009, 0.9991]
 _N_SLOTS = int(2 * _LOGIT_MAX / _BIN) + 1  # slots 1 .. _N_SLOTS; slot 0 = no continuation probability (p = 1)
-_SLOT = 64  # group id = queue * 8 + type + _SLOT * slot
+_SLOT = 64  # group id = queue_type_code(queue, type) + _SLOT * slot: the code fits below _SLOT
 _REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)  # plain ints: enum lookups cost more
 
 # A session predictor answers, for a session's first request, (P(continues as chat), P(continues as agent)).
@@ -112,6 +112,11 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("mu_structural", -2.0, 12.0, 3.4, doc="log-normal mu of structural re-access gaps (ln s)"),
     ParamSpec("sigma_structural", 0.1, 4.0, 2.0, doc="log-normal sigma of structural re-access gaps"),
 )
+
+
+def _queue_of(g: int) -> int:
+    """The queue of a group id."""
+    return split_queue_type(g % _SLOT)[0]
 
 
 def _slot_of(p: float) -> int:
@@ -180,7 +185,7 @@ class SAECachePolicy(EvictionPolicy):
         self.min_dt = float(min_dt)
         self._model = (ContinuationModel(features=continuation_features, censoring=censoring, predictor=self.predictor)
                        if self._continuation else None)
-        self._lists: dict[int, _RecencyList] = {}  # group (queue * 8 + type + _SLOT * slot) -> recency list
+        self._lists: dict[int, _RecencyList] = {}  # group (queue-type code + _SLOT * slot) -> recency list
         self._returned: dict[int, list[tuple[int, int, Block]]] = {}  # group -> heap of (stamp, key, block)
         self._returned_new: dict[int, list[tuple[int, int, Block]]] = {}  # same blocks, newest first (-stamp)
         self._compact_at = _COMPACT_MIN  # the release count at which the lists are compacted next
@@ -254,8 +259,7 @@ class SAECachePolicy(EvictionPolicy):
         c = self._consts.get(g)
         if c is None:
             sw = self.switches
-            base = g & (_SLOT - 1)
-            q, t = base >> 3, base & 7
+            q, t = split_queue_type(g % _SLOT)
             if self._density and q != PE:
                 p = self._p_structural if q == ST else _slot_p(g // _SLOT)
                 kind, c1, c2 = _DENSITY, self._gaps[q], p
@@ -357,7 +361,7 @@ class SAECachePolicy(EvictionPolicy):
                         self._add_gap(ST, now - last_use)
                 self._prefix_last[key] = now
                 self._p_structural = (self._prefix_reused + 1.0) / (self._prefix_uses + 2.0)
-                for g in [g for g in self._consts if (g & (_SLOT - 1)) >> 3 == ST]:
+                for g in [g for g in self._consts if _queue_of(g) == ST]:
                     del self._consts[g]  # their density moved: rescored at the next eviction
                 self._cand_now = None
 
@@ -400,7 +404,7 @@ class SAECachePolicy(EvictionPolicy):
     def _group(self, b: Block) -> int:
         if (b.queue == CH or b.queue == AG) and b.pdata is not None:
             return b.pdata  # set at the block's release: its releasing request's continuation bin
-        return b.queue * 8 + (b.type if self._typed else 0)
+        return queue_type_code(b.queue, b.type if self._typed else 0)
 
     def _list(self, g: int) -> _RecencyList:
         lst = self._lists.get(g)
@@ -441,7 +445,7 @@ class SAECachePolicy(EvictionPolicy):
             seq += 1
             b.stamp = seq
             q = b.queue
-            g = q * 8 + (b.type if tw else 0)
+            g = q * TYPE_SLOTS + (b.type if tw else 0)  # queue_type_code, inlined on the hottest loop
             if q == CH or q == AG:
                 g += slot
                 b.pdata = g
@@ -618,7 +622,7 @@ class SAECachePolicy(EvictionPolicy):
     def _candidates(self, g: int) -> list[Block]:
         """The blocks of group ``g`` that can hold its least key (see on_release and _structural_candidates)."""
         kind = (self._consts.get(g) or self._constants(g))[1]
-        if (g & (_SLOT - 1)) >> 3 == ST and self._st_sampled:
+        if _queue_of(g) == ST and self._st_sampled:
             cands = self._structural_candidates(g, self.sample)
         else:
             # A chat, agent or PE group's oldest evictable block is the older of its list head and its heap top
@@ -648,7 +652,7 @@ class SAECachePolicy(EvictionPolicy):
         # Blocks a request released together share their idle time, so one density evaluation per (group, release
         # time) serves the whole run of evictions at this instant (structural blocks then weigh it by offset).
         memo = self._memo if kind == _DENSITY else None
-        decay = self._gamma if (g & (_SLOT - 1)) >> 3 == ST and self.switches["position_decay"] else None
+        decay = self._gamma if _queue_of(g) == ST and self.switches["position_decay"] else None
         for b in cands:  # the priority() formula, with the group's constants
             if memo is not None:
                 score = memo.get((g, b.last_access))
@@ -698,7 +702,7 @@ class SAECachePolicy(EvictionPolicy):
                 cb = held.get(g)
                 # A structural scan parks the inner nodes it meets, so a second scan samples further: it runs at
                 # every instant, as it always did.
-                if g in dirty or cb is None or (rescore and self._st_sampled and (g & (_SLOT - 1)) >> 3 == ST) \
+                if g in dirty or cb is None or (rescore and self._st_sampled and _queue_of(g) == ST) \
                         or any(b.stamp != s or b.pins or b.n_children for b, s in cb):
                     best = self._best(g, now)
                 elif rescore:
