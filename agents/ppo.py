@@ -176,9 +176,9 @@ def seeded_env_config(env_config: Mapping[str, Any], trace_seeds: Sequence[int] 
     config = dict(env_config)
     if not trace_seeds:
         return config
-    from sae_env.env import _load_trace_spec
+    from sae_env.sources import trace_from_spec
 
-    traces = [_load_trace_spec(_trace_with_seed(config.get("trace"), s)) for s in trace_seeds]
+    traces = [trace_from_spec(_trace_with_seed(config.get("trace"), s))[0] for s in trace_seeds]
     config["trace"] = _TracePool(traces)
     return config
 

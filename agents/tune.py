@@ -3,7 +3,7 @@
 :func:`tune_fixed` evaluates candidate parameter vectors, each as one episode of
 ``agents.evaluate.evaluate(FixedAgent(params), env_config, seed)``, and returns the best one with every trial's
 result. Candidates are points of the env's action box ``[-1, 1]^d`` mapped to parameter values exactly as the env maps
-actions (log scale for log parameters, :func:`sae_env.env.action_to_values`):
+actions (log scale for log parameters, :func:`sae_env.policies.params.action_to_values`):
 
 * trial 0 is always the policy's defaults, so the tuned parameters never score below the defaults on the training
   workload;
@@ -37,8 +37,8 @@ import numpy as np
 
 from agents.evaluate import evaluate, make_env
 from agents.fixed import FixedAgent, save_params
-from sae_env.env import action_to_values
 from sae_env.files import write_json
+from sae_env.policies.params import action_to_values
 
 __all__ = ["METHODS", "add_cli", "candidate_params", "lower_is_better", "tune_fixed"]
 

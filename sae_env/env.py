@@ -4,49 +4,40 @@ One episode replays one trace (or a sampled segment of it) through a fresh cache
 applies the agent's action as the policy's parameters and replays one window. Everything that decides an outcome
 lives in :mod:`sae_env.replay`, :mod:`sae_env.cache` and the policies; this module only translates:
 
-* **actions -> parameters.** A component ``a`` in ``[-1, 1]`` maps affinely onto its :class:`ParamSpec`'s bounds,
-  in log space when ``spec.log``: ``v = lo + (a + 1) / 2 * (hi - lo)`` (or ``exp`` of that over ``ln lo, ln hi``).
-  The inverse (:meth:`PrefixCacheEnv.params_to_action`) is exact in the round trip: the env remembers the last
-  :data:`_MEMO` encodings it made, so an action it produced decodes to exactly the values it was made from (a
-  float32 action alone would round them by ~1e-7 relative, enough to change a replay). An action that leaves every
-  value unchanged does not call ``set_params`` at all, so an agent that holds the defaults replays exactly like a
-  plain :class:`Replay`. Out-of-range components are clipped to ``[-1, 1]``, NaN components keep the current value;
-  both are counted (``info["clipped"]``).
-* **WindowStats -> observation.** Rates and shares in ``[0, 1]``; gap statistics and parameters in ``[-1, 1]``;
-  latencies squashed with ``x / (1 + x)`` (seconds). Every Box is float32 with finite bounds; values are clipped
-  into them, so float rounding can never leave the space.
+* **actions -> parameters** through the policy's :class:`~sae_env.policies.params.ActionCodec` (the affine map
+  onto each :class:`ParamSpec`'s bounds, exact in the round trip for actions the env made: see
+  :mod:`sae_env.policies.params`). An action that leaves every value unchanged does not call ``set_params`` at all,
+  so an agent that holds the defaults replays exactly like a plain :class:`Replay`. Out-of-range components are
+  clipped to ``[-1, 1]``, NaN components keep the current value; both are counted (``info["clipped"]``).
+* **WindowStats -> observation** (:mod:`sae_env.observation`) and **-> info** (:func:`sae_env.metrics.window_dict`).
 
 Time is the trace clock: no wall-clock value reaches the observation, the reward or ``info``.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import fields
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from gymnasium import spaces
 
 from sae_env.cache import PrefixCache, resolve_capacity
-from sae_env.metrics import WindowStats
+from sae_env.metrics import WindowStats, latency_summary, window_dict
+from sae_env.observation import ObservationBuilder, box
 from sae_env.policies import make_policy, policy_class
-from sae_env.policies.base import EvictionPolicy, ParamSpec
+from sae_env.policies.base import EvictionPolicy
+from sae_env.policies.params import ActionCodec, ParamSpec, action_to_values
 from sae_env.replay import Replay
 from sae_env.serving import at_load, make_server
-from sae_env.trace import N_APP_TYPES, N_TOKEN_TYPES, AppType, TokenType, Trace
+from sae_env.sources import trace_from_spec
+from sae_env.trace import N_TOKEN_TYPES, TokenType, Trace
 
-__all__ = ["DEFAULT_TRACE", "ENV_ID", "REWARDS", "PrefixCacheEnv", "action_to_values", "values_to_action",
-           "latency_summary", "parse_window", "percentile", "window_dict"]
+__all__ = ["DEFAULT_TRACE", "ENV_ID", "REWARDS", "PrefixCacheEnv", "parse_window"]
 
 ENV_ID = "sae_env/PrefixCache-v0"
 REWARDS = ("hit_rate", "hit_tokens", "neg_ttft")
-N_QUEUES = 4  # observed queue ids 0..3 (SAECache's PE, ST, CH, AG; S3-FIFO's small, main; others: queue 0)
-_MEMO = 64  # remembered encodings (params_to_action -> action_to_params round trips)
 
 # The default workload: the synthetic "tiny" preset stretched to 600 s (~720 requests, ~4,000 distinct blocks, all
 # three session kinds); an episode of saecache at 10 % capacity replays in ~0.25 s.
@@ -62,57 +53,13 @@ _default_trace_cache: list[Trace] = []
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Parameter <-> action mapping (pure functions; the env adds the exact round trip)
-
-
-@functools.lru_cache(maxsize=64)
-def _scales(specs: tuple[ParamSpec, ...]) -> tuple[tuple[str, float, float, bool, float, float], ...]:
-    """Per spec: name, bounds, log flag, and the affine map's origin and span (in log space for log specs)."""
-    out = []
-    for p in specs:
-        lo, hi = (math.log(p.low), math.log(p.high)) if p.log else (p.low, p.high)
-        out.append((p.name, p.low, p.high, p.log, lo, hi - lo))
-    return tuple(out)
-
-
-def values_to_action(specs: tuple[ParamSpec, ...], values: Mapping[str, float]) -> np.ndarray:
-    """Each spec's value (clipped to its bounds) mapped into [-1, 1], log-scale where ``spec.log``; float64."""
-    out = []
-    for name, low, high, log, origin, span in _scales(specs):
-        v = min(high, max(low, float(values[name])))
-        x = ((math.log(v) if log else v) - origin) / span
-        out.append(min(1.0, max(-1.0, 2.0 * x - 1.0)))
-    return np.array(out, dtype=np.float64)
-
-
-def action_to_values(specs: tuple[ParamSpec, ...], action: np.ndarray) -> dict[str, float]:
-    """The inverse of :func:`values_to_action` for finite components in [-1, 1] (results clipped to the bounds)."""
-    out: dict[str, float] = {}
-    for (name, low, high, log, origin, span), a in zip(_scales(specs), np.asarray(action, dtype=np.float64).ravel()
-                                                       .tolist(), strict=True):
-        if a >= 1.0 or a <= -1.0:  # the bounds themselves, exactly (exp(log(x)) need not be x)
-            out[name] = high if a >= 1.0 else low
-            continue
-        y = origin + (a + 1.0) / 2.0 * span
-        out[name] = min(high, max(low, math.exp(y) if log else y))
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Configuration helpers
-
-
-def _load_trace_spec(spec: Mapping[str, Any] | str) -> Trace:
-    """A trace from a source spec (see :func:`sae_env.sources.trace_from_spec`)."""
-    from sae_env.sources import trace_from_spec
-
-    return trace_from_spec(spec)[0]
 
 
 def _default_trace() -> Trace:
     # Traces are read-only to the replay, so one per process serves every env built with the defaults.
     if not _default_trace_cache:
-        _default_trace_cache.append(_load_trace_spec(DEFAULT_TRACE))
+        _default_trace_cache.append(trace_from_spec(DEFAULT_TRACE)[0])
     return _default_trace_cache[0]
 
 
@@ -135,111 +82,6 @@ def parse_window(window: int | str) -> tuple[int | None, float | None]:
         raise ValueError(f"window must be a number of requests >= 1 or a string of seconds ('30s'), got "
                          f"{text if len(text) <= 40 else text[:20] + '...'}")
     return int(window), None
-
-
-def _gap_sums(trace: Trace) -> np.ndarray:
-    """Cumulative ``[count, sum ln gap, sum ln^2 gap]`` of inter-turn gaps, per app (chat, agent), over requests.
-
-    A request's gap is the time since the previous request of its session in ``trace`` (none for a session's first
-    request there, unknown sessions or zero gaps). Row ``i`` sums requests ``< i``, so a window ``[a, b)`` is
-    ``sums[b] - sums[a]``: O(1) per step.
-    """
-    n = len(trace)
-    gaps = np.zeros(n)
-    if n >= 2:
-        order = np.lexsort((np.arange(n), trace.session))
-        s = trace.session[order]
-        same = (s[1:] == s[:-1]) & (s[1:] >= 0)
-        later, earlier = order[1:][same], order[:-1][same]
-        gaps[later] = trace.t[later] - trace.t[earlier]
-    per = np.zeros((n, 6))
-    ok = gaps > 0
-    lg = np.log(np.where(ok, gaps, 1.0))
-    for k, kind in enumerate((AppType.CHAT, AppType.AGENT)):
-        m = ok & (trace.app == kind)
-        per[:, 3 * k] = m
-        per[:, 3 * k + 1] = np.where(m, lg, 0.0)
-        per[:, 3 * k + 2] = np.where(m, lg * lg, 0.0)
-    return np.vstack([np.zeros((1, 6)), np.cumsum(per, axis=0)])
-
-
-def _copy(x: Any) -> Any:
-    """A copy of nested dicts / lists of scalars (``copy.deepcopy`` costs ~10x more on the step path)."""
-    if isinstance(x, dict):
-        return {k: _copy(v) for k, v in x.items() if v is not None}
-    if isinstance(x, list):
-        return [_copy(v) for v in x]
-    return x
-
-
-_WINDOW_FIELDS = tuple(f.name for f in fields(WindowStats) if f.name not in ("ttft_ms", "queue_ms",
-                                                                                "hits_per_request"))
-
-
-_TYPE_NAMES = tuple(t.name for t in TokenType)
-_APP_NAMES = tuple(a.name for a in AppType)
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """``np.percentile(values, q)`` (the default "linear" method), bit for bit, from already sorted values.
-
-    numpy's call costs ~50 us of machinery on a short list, per step; this is the same arithmetic in Python
-    floats (virtual index ``(n - 1) * q / 100``, numpy's two-sided lerp). A test checks the equality.
-    """
-    n = len(sorted_values)
-    v = (n - 1) * (q / 100)
-    if v >= n - 1:
-        return float(sorted_values[-1])
-    i = math.floor(v)
-    g = v - i
-    a, b = sorted_values[i], sorted_values[i + 1]
-    d = b - a
-    return float(b - d * (1 - g) if g >= 0.5 else a + d * g)
-
-
-def latency_summary(w: WindowStats) -> tuple[float, float, float, float | None] | None:
-    """``(mean, p50, p99)`` TTFT and mean queueing delay (ms) of a window, as ``to_dict`` computes them; None if
-    no first token came out in the window."""
-    if not w.ttft_ms:
-        return None
-    ordered = sorted(w.ttft_ms)
-    return (float(np.mean(w.ttft_ms)), percentile(ordered, 50), percentile(ordered, 99),
-            float(np.mean(w.queue_ms)) if w.queue_ms else None)
-
-
-def window_dict(w: WindowStats, latency: tuple | None = None) -> dict[str, Any]:
-    """``w.to_dict()`` without its None values (a test checks the equality), ~10x faster than ``asdict``.
-
-    None values are left out because gymnasium's vector envs stack info values into typed arrays. ``latency``:
-    :func:`latency_summary` of ``w`` if already computed.
-    """
-    d = {}
-    for name in _WINDOW_FIELDS:
-        v = getattr(w, name)
-        # Only ``policy`` nests; the other lists and dicts hold scalars, and a shallow copy is a full one.
-        d[name] = _copy(v) if name == "policy" else v.copy() if isinstance(v, (list, dict)) else v
-    d["token_hit_rate"] = w.token_hit_rate
-    d["block_hit_rate"] = w.block_hit_rate
-    lat = latency if latency is not None else latency_summary(w)
-    if lat is not None:
-        d["ttft_mean_ms"], d["ttft_p50_ms"], d["ttft_p99_ms"] = lat[:3]
-        if lat[3] is not None:
-            d["queue_mean_ms"] = lat[3]
-    elif w.queue_ms:
-        d["queue_mean_ms"] = float(np.mean(w.queue_ms))
-    hits, refs = w.hits_by_type, w.refs_by_type
-    d["hit_rate_by_type"] = {_TYPE_NAMES[k]: hits[k] / refs[k] for k in range(N_TOKEN_TYPES) if refs[k]}
-    n = w.requests
-    d["app_share"] = {_APP_NAMES[k]: c / n if n else 0.0 for k, c in enumerate(w.app_mix)}
-    return d
-
-
-def _box(low: float, high: float, n: int) -> spaces.Box:
-    return spaces.Box(low=low, high=high, shape=(n,), dtype=np.float32)
-
-
-def _rates(num: list, den: list) -> list[float]:
-    return [x / y if y else 0.0 for x, y in zip(num, den, strict=True)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -338,7 +180,7 @@ class PrefixCacheEnv(gym.Env):
         elif isinstance(trace, Trace):
             self._base_trace = trace
         elif isinstance(trace, (Mapping, str)):
-            self._base_trace = _load_trace_spec(trace)
+            self._base_trace = trace_from_spec(trace)[0]
         elif callable(trace):
             self._factory = trace
         else:
@@ -388,39 +230,17 @@ class PrefixCacheEnv(gym.Env):
                             f"{render_mode!r}")
         self.render_mode = render_mode
         # -- spaces
-        d = len(self.param_specs)
-        self.action_space = _box(-1.0, 1.0, max(d, 1))
-        self.observation_space = spaces.Dict({
-            "hit_rate": _box(0.0, 1.0, 2),
-            "cache": _box(0.0, 1.0, 3),
-            "queue_hit_share": _box(0.0, 1.0, N_QUEUES),
-            "queue_occupancy": _box(0.0, 1.0, N_QUEUES),
-            "type_hit_rate": _box(0.0, 1.0, N_TOKEN_TYPES),
-            "type_ref_share": _box(0.0, 1.0, N_TOKEN_TYPES),
-            "miss_after_evict": _box(0.0, 1.0, N_TOKEN_TYPES),
-            "app_mix": _box(0.0, 1.0, N_APP_TYPES),
-            "gaps": _box(-1.0, 1.0, 6),
-            "latency": _box(0.0, 1.0, 3),
-            "params": _box(-1.0, 1.0, max(d, 1)),
-            "progress": _box(0.0, 1.0, 1),
-        })
-        self._obs_slices: dict[str, tuple[int, int]] = {}
-        lows, highs = [], []
-        for key, box in self.observation_space.spaces.items():
-            a = sum(len(x) for x in lows)
-            self._obs_slices[key] = (a, a + box.shape[0])
-            lows.append(box.low.astype(np.float64))
-            highs.append(box.high.astype(np.float64))
-        self._obs_low, self._obs_high = np.concatenate(lows).tolist(), np.concatenate(highs).tolist()
-        self._obs_size = len(self._obs_low)
+        self._codec = ActionCodec(self.param_specs)
+        self._observation = ObservationBuilder(self.param_specs)
+        self.action_space = box(-1.0, 1.0, max(len(self.param_specs), 1))
+        self.observation_space = self._observation.space
         # -- episode state
-        self._memo: OrderedDict[bytes, dict[str, float]] = OrderedDict()
         self.trace: Trace | None = None
+        self.capacity_blocks: int | None = None  # the episode's capacity in blocks (after reset)
         self.replay: Replay | None = None
         self.last_stats: WindowStats | None = None
         self._latency: tuple | None = None
         self.segment_start = 0
-        self._gap_sums = np.zeros((1, 6))
         self._steps = 0
         self._clipped = 0
         self._done = True
@@ -454,14 +274,7 @@ class PrefixCacheEnv(gym.Env):
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
                 raise ValueError(f"parameter {name!r}: need a finite number, got {v!r}")
             full[name] = float(v)
-        full = {p.name: p.clip(full[p.name]) for p in self.param_specs}
-        action = values_to_action(self.param_specs, full).astype(np.float32)
-        key = action.tobytes()
-        self._memo[key] = full
-        self._memo.move_to_end(key)
-        while len(self._memo) > _MEMO:
-            self._memo.popitem(last=False)
-        return action
+        return self._codec.encode({p.name: p.clip(full[p.name]) for p in self.param_specs})
 
     def action_to_params(self, action: np.ndarray) -> dict[str, float]:
         """The parameter values an in-range action stands for (exact for actions from :meth:`params_to_action`)."""
@@ -472,17 +285,7 @@ class PrefixCacheEnv(gym.Env):
             return {}
         if not np.all(np.isfinite(a)) or np.any(np.abs(a) > 1.0):
             raise ValueError("action_to_params needs finite components in [-1, 1] (step() clips them)")
-        hit = self._recall(a)
-        return hit if hit is not None else action_to_values(self.param_specs, a)
-
-    def _recall(self, action: np.ndarray) -> dict[str, float] | None:
-        """The exact values behind an action made by :meth:`params_to_action` (None if not remembered)."""
-        key = np.asarray(action, dtype=np.float32).tobytes()
-        hit = self._memo.get(key)
-        if hit is None:
-            return None
-        self._memo.move_to_end(key)  # least recently used goes first: an agent's constant action stays
-        return dict(hit)
+        return self._codec.decode(a)
 
     def noop_action(self) -> np.ndarray:
         """The action that leaves every parameter as it is (zeros for parameterless policies)."""
@@ -511,7 +314,7 @@ class PrefixCacheEnv(gym.Env):
             return
         policy = self.policy
         current = policy.params
-        values = self._recall(a) if bad == 0 else None
+        values = self._codec.recall(a) if bad == 0 else None
         if values is None:
             values = action_to_values(self.param_specs, [0.0 if n else min(1.0, max(-1.0, x))
                                                          for x, n in zip(comps, nan, strict=True)])
@@ -551,12 +354,13 @@ class PrefixCacheEnv(gym.Env):
         policy = make_policy(self.policy_name, **self.policy_options)
         cache = PrefixCache(capacity, policy, ghost_capacity=self.ghost_capacity, cache_outputs=self.cache_outputs)
         self.trace = trace
+        self.capacity_blocks = capacity
         self.segment_start = start
         self.replay = Replay(trace, cache, server, window_requests=self.window_requests,
                              window_seconds=self.window_seconds)
         self.last_stats = None
         self._latency = None
-        self._gap_sums = _gap_sums(trace)
+        self._observation.reset(trace)
         self._steps = 0
         self._clipped = 0
         self._done = False
@@ -593,69 +397,8 @@ class PrefixCacheEnv(gym.Env):
                 "requests_done": 0 if self.replay is None else self.replay.next_request}
 
     def _get_obs(self) -> dict[str, np.ndarray]:
-        # Features are assembled as Python floats (the vectors are 1-7 long: numpy calls would cost more than the
-        # arithmetic), then clipped into the bounds and converted in one go, and split by key.
-        vals = [0.0] * self._obs_size
-        sl = self._obs_slices
-        if self.param_specs:
-            a, b = sl["params"]
-            vals[a:b] = values_to_action(self.param_specs, self.params).tolist()
-        vals[sl["progress"][0]] = self.replay.next_request / len(self.trace) if self.replay is not None else 0.0
-        w = self.last_stats
-        if w is not None:
-            for key, value in self._window_features(w).items():
-                a, b = sl[key]
-                vals[a:b] = value
-        # Clipped in float64; rounding to float32 is monotone and the bounds (0, +-1) are exact, so it stays inside.
-        vals = [lo if x < lo else hi if x > hi else x for x, lo, hi in zip(vals, self._obs_low, self._obs_high,
-                                                                          strict=True)]
-        vec = np.array(vals, dtype=np.float32)
-        return {k: vec[a:b] for k, (a, b) in sl.items()}
-
-    def _window_features(self, w: WindowStats) -> dict[str, list[float]]:
-        """The observation's window features by key (before clipping)."""
-        refs = w.refs_by_type
-        n_refs = sum(refs)
-        cap = w.capacity
-        occ = [0.0] * N_QUEUES
-        for q, n in w.occupancy_by_queue.items():
-            if 0 <= q < N_QUEUES:
-                occ[q] = n / cap
-        qh = [0.0] * N_QUEUES
-        reported = w.policy.get("queue_hits") if isinstance(w.policy, dict) else None
-        if reported:
-            n_hits = sum(reported)
-            for q, h in enumerate(reported[:N_QUEUES]):
-                qh[q] = h / n_hits if n_hits else 0.0
-        offered = w.inserted + w.bypasses
-        g = (self._gap_sums[w.start + w.requests] - self._gap_sums[w.start]).tolist()
-        gaps = [0.0] * 6
-        for k in (0, 3):
-            n = g[k]
-            if n > 0:
-                mean = g[k + 1] / n
-                gaps[k] = mean / 10.0
-                gaps[k + 1] = math.sqrt(max(g[k + 2] / n - mean * mean, 0.0)) / 5.0
-                gaps[k + 2] = n / w.requests
-        lat = self._latency
-        if lat is None:
-            latency = [0.0, 0.0, 0.0]
-        else:
-            # seconds squashed into [0, 1)
-            latency = [x / 1e3 / (1.0 + x / 1e3) for x in (lat[0], lat[2], lat[3] or 0.0)]
-        return {
-            "hit_rate": [w.token_hit_rate, w.block_hit_rate],
-            "cache": [w.occupancy / cap, w.evictions / w.inserted if w.inserted else 0.0,
-                      w.bypasses / offered if offered else 0.0],
-            "queue_hit_share": qh,
-            "queue_occupancy": occ,
-            "type_hit_rate": _rates(w.hits_by_type, refs),
-            "type_ref_share": [r / n_refs if n_refs else 0.0 for r in refs],
-            "miss_after_evict": _rates(w.miss_after_eviction_by_type, refs),
-            "app_mix": [c / w.requests if w.requests else 0.0 for c in w.app_mix],
-            "gaps": gaps,
-            "latency": latency,
-        }
+        progress = self.replay.next_request / len(self.trace) if self.replay is not None else 0.0
+        return self._observation.build(self.params, progress, self.last_stats, self._latency)
 
     def render(self) -> str | None:
         if self.render_mode != "ansi":
@@ -665,14 +408,17 @@ class PrefixCacheEnv(gym.Env):
     def _render_ansi(self) -> str:
         if self.replay is None:
             return f"PrefixCacheEnv({self.policy_name}): not reset\n"
-        w, cache = self.last_stats, self.replay.cache
+        # From the last window's statistics, not the replay's cache: reading that would hand the compiled
+        # engine's state over to the Python objects (sae_env.replay) and so change how the replay goes on.
+        w = self.last_stats
+        occupancy = w.occupancy if w is not None else 0
         lines = [f"PrefixCacheEnv | policy {self.policy_name} | step {self._steps} | requests "
-                 f"{self.replay.next_request}/{len(self.trace)} | cache {len(cache)}/{cache.capacity} blocks"]
+                 f"{self.replay.next_request}/{len(self.trace)} | cache {occupancy}/{self.capacity_blocks} blocks"]
         if w is None:
             return "\n".join(lines) + "\n"
         lines.append(f"window {w.index}: token hit {w.token_hit_rate:.3f}  block hit {w.block_hit_rate:.3f}  "
                      f"evictions {w.evictions}  bypasses {w.bypasses}  reward {self._reward(w):.4f}")
-        names = dict(enumerate(policy_class(self.policy_name).queue_names))
+        names = dict(enumerate(self.policy.queue_names))
         qh = w.policy.get("queue_hits") if isinstance(w.policy, dict) else None
         for q in sorted(set(names) | set(w.occupancy_by_queue)):
             n = w.occupancy_by_queue.get(q, 0)

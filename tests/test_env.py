@@ -20,8 +20,10 @@ from hypothesis import strategies as st
 
 import sae_env  # noqa: F401 - registers the env
 from sae_env.cache import PrefixCache
-from sae_env.env import ENV_ID, PrefixCacheEnv, action_to_values, percentile, values_to_action, window_dict
+from sae_env.env import ENV_ID, PrefixCacheEnv
+from sae_env.metrics import percentile, window_dict
 from sae_env.policies import make_policy, policy_class, policy_names
+from sae_env.policies.params import MEMORY, ActionCodec, action_to_values, values_to_action
 from sae_env.replay import Replay
 from sae_env.serving import make_server
 from sae_env.sources.synthetic import generate
@@ -137,6 +139,13 @@ def test_ansi_render(tiny):
     for word in ("token hit", "structural", "chat", "agent", "hit rate by type"):
         assert word in text
     assert PrefixCacheEnv(trace=tiny, policy="lru").render() is None  # no render mode
+    fast = PrefixCacheEnv(trace=tiny, policy="lru", window=20, render_mode="ansi")
+    fast.reset(seed=0)
+    assert "cache 0/" in fast.render()
+    _, _, _, _, info = fast.step(fast.noop_action())
+    engine = fast.replay.engine
+    assert f"cache {info['window']['occupancy']}/{info['window']['capacity']} blocks" in fast.render()
+    assert fast.replay.engine == engine  # rendering reads the statistics: the replay stays on its engine
     with pytest.raises(TypeError, match="render_mode"):  # Gymnasium's convention; SB3's make_vec_env relies on it
         PrefixCacheEnv(trace=tiny, render_mode="human")
 
@@ -454,4 +463,15 @@ def test_memo_keeps_an_action_in_use(tiny):
         env.params_to_action({"gamma": float(rng.uniform(0.05, 20))})
         got = env.action_to_params(a)
         assert got["gamma"] == 0.123456789 and got["mu_chat"] == 1.23456789
-    assert len(env._memo) <= 64
+
+
+def test_action_codec_remembers_a_bounded_number_of_encodings():
+    specs = policy_class("saecache").param_specs
+    codec = ActionCodec(specs)
+    defaults = {p.name: p.default for p in specs}
+    first = codec.encode({**defaults, "gamma": 0.123456789})
+    for g in np.linspace(0.05, 20, 3 * MEMORY):
+        codec.encode({**defaults, "gamma": float(g)})
+    assert len(codec) == MEMORY
+    assert codec.recall(first) is None  # the oldest went first
+    assert codec.decode(first)["gamma"] != 0.123456789  # decoded from its float32 bits only

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from sae_env.block import Block
+from sae_env.policies.params import ParamSpec
 
 if TYPE_CHECKING:
     from sae_env.trace import Trace
@@ -54,27 +54,6 @@ class BlockTable(Protocol):
     capacity: int
 
     def __len__(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One tunable parameter: a name, bounds, a default, and whether it lives on a log scale."""
-
-    name: str
-    low: float
-    high: float
-    default: float
-    log: bool = False
-    doc: str = ""
-
-    def __post_init__(self):
-        if not (self.low < self.high) or not (self.low <= self.default <= self.high):
-            raise ValueError(f"parameter {self.name}: need low < high and low <= default <= high")
-        if self.log and self.low <= 0:
-            raise ValueError(f"parameter {self.name}: a log-scale parameter needs low > 0")
-
-    def clip(self, value: float) -> float:
-        return min(self.high, max(self.low, float(value)))
 
 
 class EvictionPolicy:
