@@ -11,6 +11,7 @@ import importlib
 import inspect
 from typing import Any
 
+from agents.registry import agent_class, learner_for
 from sae_env import cli as core_cli
 from sae_env.policies import EvictionPolicy, policy_class
 
@@ -46,14 +47,11 @@ class AgentsExtension:
         return {"predictor": self._predictor.as_policy_callable()}
 
     def replay_callbacks(self, args: argparse.Namespace, policy: EvictionPolicy) -> list:
-        from sae_env.policies.saecache import SAECachePolicy
-
-        if getattr(args, "fixed", False) or not isinstance(policy, SAECachePolicy):
+        """The learner registered for the policy (:data:`agents.registry.LEARNERS`), unless ``--fixed``."""
+        kind = learner_for(policy.name)
+        if getattr(args, "fixed", False) or kind is None:
             return []
-        from agents.sae_online import SAEOnlineLearner
-
-        return [SAEOnlineLearner().callback()]
-
+        return [agent_class(kind).replay_callback()]
 
     def cell_runner(self) -> Any:
         from agents.evaluate import CellRunner

@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 
 from agents.base import Agent
+from agents.registry import AGENTS, check_agent_options, learner_for, make_agent
 from sae_env.env import PrefixCacheEnv
 from sae_env.explain import first_references
-from sae_env.metrics import summarize
+from sae_env.metrics import percentile, summarize
 
 __all__ = ["CellRunner", "evaluate", "make_env"]
 
@@ -66,8 +67,8 @@ def evaluate(agent: Agent, env_config: Mapping[str, Any] | None = None, seed: in
                    clipped=info["clipped"])
         history.append(row)
     replay = env.replay
-    ttft = [x for w in replay.windows for x in w.ttft_ms]
-    quantiles = np.percentile(np.asarray(ttft, dtype=np.float64), np.arange(101)).tolist() if ttft else None
+    ttft = sorted(x for w in replay.windows for x in w.ttft_ms)
+    quantiles = [percentile(ttft, q) for q in range(101)] if ttft else None
     summary = summarize(replay.windows, policy=env.policy_name, block_size=env.trace.block_size, timed=env.timed)
     summary.update(agent=getattr(agent, "name", type(agent).__name__), episode_reward=total, steps=len(history),
                    terminated=bool(terminated), truncated=bool(truncated), clipped=info["clipped"],
@@ -105,11 +106,12 @@ class CellRunner:
     trace's phase schedule (synthetic and mix traces).
     """
 
-    # Agent shorthands besides the bare policy names (a bare policy name is its policy under ``baseline``).
+    # Agent shorthands besides the bare policy names (a bare policy name is its policy under ``baseline``): a
+    # policy that learns online stands for itself under its learner (agents.registry.LEARNERS).
     presets: dict[str, dict[str, Any]] = {
-        "saecache": {"policy": "saecache", "agent": "sae_online"},  # the full adaptive method
+        "saecache": {"policy": "saecache", "agent": learner_for("saecache")},  # the full adaptive method
         "saecache-fixed": {"policy": "saecache", "agent": "fixed"},  # SAECache's default parameters, no learning
-        "saecache-paper": {"policy": "saecache-paper", "agent": "sae_online"},  # the paper's method, its learners
+        "saecache-paper": {"policy": "saecache-paper", "agent": learner_for("saecache-paper")},  # the paper's
     }
 
     # Agent kinds that run a torch model (they take a ``device`` option).
@@ -117,8 +119,6 @@ class CellRunner:
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        from agents import AGENTS
-
         return tuple(AGENTS)
 
     def uses_model(self, cell: Mapping[str, Any]) -> bool:
@@ -130,16 +130,12 @@ class CellRunner:
         """Validate an agent spec (ValueError saying what is wrong): a ``module:Class`` agent must be an agent class
         and take the options (nothing of it is called). ``build`` (just before the cells run): a registered agent
         is built once with its options, which checks their values (a params file that exists, ...)."""
-        from agents import AGENTS, check_agent_options, make_agent
-
         kind, options = spec["agent"], dict(spec.get("options") or {})
         check_agent_options(kind, options)
         if build and kind in AGENTS:
             make_agent(kind, **options)
 
     def __call__(self, cell: Mapping[str, Any], trace: Any) -> dict[str, Any]:
-        from agents import make_agent
-
         spec = cell["agent"]
         device = cell.get("device", "cpu")  # "cuda" when the cell was given a GPU (sae_env.experiment)
         policy_options = dict(spec.get("policy_options") or {})

@@ -228,9 +228,12 @@ class SAEOnlineAgent(BaseAgent):
         self.learner = SAEOnlineLearner(config, **overrides)
         self._next: dict[str, float] | None = None
 
-    def reset(self, env: Any = None, *, seed: int | None = None) -> None:
-        from sae_env.policies.saecache import SAECachePolicy
+    @classmethod
+    def replay_callback(cls) -> Any:
+        """A fresh learner as a :class:`~sae_env.replay.Replay` window callback (``replay``'s adaptive mode)."""
+        return SAEOnlineLearner().callback()
 
+    def reset(self, env: Any = None, *, seed: int | None = None) -> None:
         super().reset(env, seed=seed)
         policy = self._env().policy
         if not isinstance(policy, SAECachePolicy):

@@ -6,7 +6,7 @@ Run the studies first (each is one command; see the README's "Paper vs measured"
 
 Each study's latest run folder (``runs/<study>/<run-id>/``, newest ``report.md``) is read: ``paired.csv`` (the
 reference agent, SAECache adaptive, paired per seed with every other agent, 95 % intervals) and ``summary.csv``.
-Printed, one block per claim of the method (docs: /work/shared/SAECACHE.md, "Claims to measure against"):
+Printed, one block per claim of the method (docs/SAECACHE.md, "Claims to measure against"):
 
 1. TTFT (real_load): per load, the TTFT mean ratio LRU / SAECache and LPC / SAECache (geometric mean over seeds,
    interval), and the stronger baseline's (lower mean TTFT).

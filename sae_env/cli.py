@@ -460,12 +460,6 @@ def add_wandb_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-wandb", action="store_true", help="no W&B runs (same as --wandb disabled)")
 
 
-def _policy_names() -> list[str]:
-    from sae_env.policies import policy_names
-
-    return policy_names()
-
-
 # -- parser --------------------------------------------------------------------------------------------------------
 
 def build_parser(extensions: Sequence[CliExtension] = (), prog: str | None = None) -> argparse.ArgumentParser:

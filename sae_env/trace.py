@@ -48,7 +48,6 @@ __all__ = [
     "csr_offsets",
     "mix64",
     "token_blocks",
-    "load_trace_file",
 ]
 
 FORMAT_NAME = "sae-trace"
@@ -942,8 +941,3 @@ def concat(traces: Sequence[Trace], meta: dict[str, Any] | None = None) -> Trace
         out = out.take(order)
     out.validate()
     return out
-
-
-def load_trace_file(path: str | os.PathLike) -> Trace:
-    """Alias of :meth:`Trace.load` for symmetry with the sources."""
-    return Trace.load(path)

@@ -11,12 +11,15 @@ import numpy as np
 import pytest
 
 from agents import (
+    LEARNERS,
     Agent,
     BaselineAgent,
     FixedAgent,
     SAEOnlineAgent,
+    agent_class,
     agent_names,
     evaluate,
+    learner_for,
     load_params,
     make_agent,
     make_env,
@@ -233,6 +236,19 @@ def test_registry_and_protocol():
         make_agent("ppo2")
     with pytest.raises(ValueError, match="bad options"):
         make_agent("baseline", gamma=1.0)
+
+
+def test_learner_registry_names_a_learner_per_adaptive_policy(tiny):
+    """Every policy in LEARNERS is registered and its learner, run as replay's window callback, moves its
+    parameters; a policy without a learner gets none (replay --policy asks the registry, not the policy's name)."""
+    assert set(LEARNERS) <= set(policy_names()) and learner_for("lru") is None
+    for policy, kind in LEARNERS.items():
+        assert kind in agent_names()
+        pol = make_policy(policy)
+        rep = Replay(tiny, PrefixCache(max(1, tiny.distinct_blocks() // 10), pol), window_requests=10,
+                     callbacks=[agent_class(kind).replay_callback()])
+        rep.run()
+        assert pol.params != make_policy(policy).params, policy
 
 
 def test_random_actions_through_an_agent_are_valid(tiny):

@@ -1,4 +1,4 @@
-"""SAECache: semantic, self-tuning eviction over four queues (arXiv 2605.18825; restated in SAECACHE.md).
+"""SAECache: semantic, self-tuning eviction over four queues (arXiv 2605.18825; restated in docs/SAECACHE.md).
 
 Queues. Every block is routed, when it is inserted, to one queue:
 
@@ -920,14 +920,3 @@ def _any_per_request(flags: np.ndarray, offsets: np.ndarray) -> list[bool]:
     """Whether any of each request's blocks (CSR ``offsets``) has its flag set."""
     counts = np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])
     return (counts[offsets[1:]] > counts[offsets[:-1]]).tolist()
-
-
-def gap_fit(stats: list[float]) -> tuple[float, float] | None:
-    """Log-normal MLE (mu, sigma) from sufficient statistics [n, sum ln x, sum ln^2 x]; None if n < 2."""
-    n, s1, s2 = stats
-    if n < 2:
-        return None
-    mu = s1 / n
-    var = max(s2 / n - mu * mu, 0.0)
-    return mu, math.sqrt(var)
-
