@@ -33,7 +33,7 @@ from torch import nn
 
 from agents.session_predictor import SessionPredictor
 from sae_env.files import write_json
-from sae_env.sources._io import open_text
+from sae_env.inputs import open_text
 from sae_env.tokenizer import get_tokenizer
 
 VOCAB, WIDTH, LAYERS, HEADS, FFN, MAX_LEN = 250_002, 384, 12, 12, 1536, 128

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sae_env import data
+from sae_env.inputs import open_text
 from sae_env.sources import load_source
-from sae_env.sources._io import open_text
 from sae_env.sources.conversations import Arrivals, load
 from sae_env.tokenizer import ChatTemplate, split_reasoning
 from sae_env.trace import AppType, TokenType, TraceFormatError, chain_keys, token_blocks

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from sae_env import data
+from sae_env.inputs import open_text
 from sae_env.sources import load_source, open_trace
-from sae_env.sources._io import open_text
 from sae_env.sources.gsm8k import load, load_exemplars, render_solution
 from sae_env.tokenizer import get_tokenizer
 from sae_env.trace import AppType, TokenType, TraceFormatError

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sae_env.data import MOONCAKE_ARXIV
+from sae_env.inputs import iter_json_lines
 from sae_env.serving import (
     GPUS,
     MODELS,
@@ -22,7 +23,6 @@ from sae_env.serving import (
     simulate,
     utilisation,
 )
-from sae_env.sources._io import iter_json_lines
 
 A40 = make_server("qwen2.5-1.5b@a40").cost
 H200 = make_server("qwen2.5-1.5b@h200").cost

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from sae_env import data
+from sae_env.inputs import open_text
 from sae_env.sources import load_source
-from sae_env.sources._io import open_text
 from sae_env.sources.taubench import load
 from sae_env.tokenizer import ChatTemplate
 from sae_env.trace import AppType, TokenType, TraceFormatError, chain_keys, token_blocks

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sae_env import data
-from sae_env.sources._io import open_text
+from sae_env.inputs import open_text
 from sae_env.tokenizer import (
     QWEN_DEFAULT_SYSTEM,
     SPECIAL_TOKENS,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import sae_env.trace as trace_module
+import sae_env.keys as keys_module
 from sae_env.trace import (
     MAX_TIME_S,
     MAX_TOKENS,
@@ -76,21 +76,21 @@ def test_chain_keys_scalar_tail_equals_the_vectorised_pass(lengths, seed, salt):
     content = rng.integers(0, 2**64 - 1, size=sum(lengths), dtype=np.uint64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     fast = chain_keys(content, offsets, salt=salt)
-    old = trace_module._FEW_ALIVE
-    trace_module._FEW_ALIVE = 0  # never leave the vectorised pass
+    old = keys_module._FEW_ALIVE
+    keys_module._FEW_ALIVE = 0  # never leave the vectorised pass
     try:
         assert np.array_equal(chain_keys(content, offsets, salt=salt), fast)
     finally:
-        trace_module._FEW_ALIVE = old
+        keys_module._FEW_ALIVE = old
 
 
 def test_chain_one_compiled_equals_python(monkeypatch):
     pytest.importorskip("numba")
     content = np.random.default_rng(7).integers(0, 2**64 - 1, size=3000, dtype=np.uint64)
-    python = trace_module._chain_one(12345, content)
-    monkeypatch.setattr(trace_module, "_JIT_MIN", 1)
-    assert trace_module._chain_kernel() is not None
-    assert np.array_equal(trace_module._chain_one(12345, content), python)
+    python = keys_module._chain_one(12345, content)
+    monkeypatch.setattr(keys_module, "_JIT_MIN", 1)
+    assert keys_module._chain_kernel() is not None
+    assert np.array_equal(keys_module._chain_one(12345, content), python)
 
 
 def test_chain_keys_rejects_bad_offsets():

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from sae_env.files import parse_document
+from sae_env.inputs import open_text
 from sae_env.serving.cost import CostModel, check_tokens, tokens_array
 
 __all__ = ["CalibrationTable"]
@@ -165,8 +166,6 @@ class CalibrationTable:
     @classmethod
     def load(cls, path: str | os.PathLike, decode_model: CostModel | None = None) -> CalibrationTable:
         """Read a table from ``.csv``, ``.json`` or ``.yaml`` / ``.yml`` (each optionally ``.gz``)."""
-        from sae_env.sources._io import open_text  # local: keeps serving importable without the sources package
-
         path = Path(path)
         suffixes = [s.lower() for s in path.suffixes]
         if suffixes and suffixes[-1] == ".gz":

@@ -119,7 +119,7 @@ def _is_native(path: str) -> bool:
         return True
     if not path.endswith((".jsonl", ".jsonl.gz")):
         return False
-    from sae_env.sources._io import open_text
+    from sae_env.inputs import open_text
 
     try:
         with open_text(path) as f:

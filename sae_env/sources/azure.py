@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sae_env.sources._io import check_options, open_text
+from sae_env.inputs import check_options, open_text
 from sae_env.sources.hashonly import check_on_error, int_option
 from sae_env.trace import (
     MAX_TOKENS,

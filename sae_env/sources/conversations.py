@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from sae_env.sources._io import check_options, lone_surrogate, open_text
+from sae_env.inputs import check_options, lone_surrogate, open_text
 from sae_env.tokenizer import ChatTemplate, get_tokenizer
 from sae_env.trace import (
     AppType,

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from sae_env.sources._io import check_options, lone_surrogate, open_text
+from sae_env.inputs import check_options, lone_surrogate, open_text
 from sae_env.sources.conversations import common_setup, int_option, parse_arrivals
 from sae_env.trace import (
     AppType,

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sae_env.sources._io import open_binary, unreadable
+from sae_env.inputs import open_binary, unreadable
 from sae_env.trace import (
     MAX_TIME_S,
     MAX_TOKENS,

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from sae_env.sources._io import check_options
+from sae_env.inputs import check_options
 from sae_env.sources.azure import AzureProcess, load_process
 from sae_env.sources.synthetic import _integer, _number, phase_of, poisson_arrivals, read_config_file
 from sae_env.trace import LoadReport, Trace, csr_offsets, mix64

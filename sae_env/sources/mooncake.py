@@ -55,7 +55,7 @@ import os
 
 import numpy as np
 
-from sae_env.sources._io import check_options
+from sae_env.inputs import check_options
 from sae_env.sources.hashonly import (
     TIME_MS,
     TOKENS,

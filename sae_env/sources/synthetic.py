@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from sae_env.sources._io import check_options, open_text
+from sae_env.inputs import check_options, open_text
 from sae_env.trace import (
     AppType,
     LoadReport,

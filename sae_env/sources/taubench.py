@@ -37,7 +37,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from sae_env.sources._io import check_options, lone_surrogate, open_text
+from sae_env.inputs import check_options, lone_surrogate, open_text
 from sae_env.sources.conversations import (
     COMMON_OPTIONS,
     BadMessage,

@@ -1,10 +1,11 @@
-"""Small I/O helpers shared by the sources: transparent gzip, JSON lines with line numbers, option checks.
+"""Reading input files, and the error that names what is wrong in one.
 
-Every source opens its input through :func:`open_text` or :func:`open_binary`, so all of them agree on what a file
-may look like: a name ending in ``.gz`` is gunzipped (``.jsonl.gz``, ``.csv.gz``, ``.json.gz``), a UTF-8 byte-order
-mark at the start is skipped, and a folder, a missing file, text that is not UTF-8 or a corrupt or truncated gzip
-stream is a :class:`~sae_env.trace.TraceFormatError` (or FileNotFoundError) that names the file, never a bare
-``UnicodeDecodeError`` or ``EOFError`` from deep inside a reader.
+Every reader (the sources, the native trace format, calibration tables) opens its input through :func:`open_text` or
+:func:`open_binary`, so all of them agree on what a file may look like: a name ending in ``.gz`` is gunzipped
+(``.jsonl.gz``, ``.csv.gz``, ``.json.gz``), a UTF-8 byte-order mark at the start is skipped, and a folder, a missing
+file, text that is not UTF-8 or a corrupt or truncated gzip stream is a :class:`TraceFormatError` (or
+FileNotFoundError) that names the file, never a bare ``UnicodeDecodeError`` or ``EOFError`` from deep inside a reader.
+A malformed value is a :class:`TraceFormatError` too, naming the file, line and field.
 """
 
 from __future__ import annotations
@@ -19,13 +20,30 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from sae_env.trace import TraceFormatError
-
-__all__ = ["check_input_file", "check_options", "iter_json_lines", "lone_surrogate", "open_binary", "open_text",
-           "unreadable"]
+__all__ = ["TraceFormatError", "check_input_file", "check_options", "iter_json_lines", "lone_surrogate", "open_binary",
+           "open_text", "unreadable"]
 
 BOM = "\ufeff"
 _DECODE_ERRORS = (UnicodeDecodeError, gzip.BadGzipFile, EOFError, zlib.error)
+
+
+class TraceFormatError(ValueError):
+    """A trace file or a trace's arrays are malformed; the message names the file, line and field."""
+
+    def __init__(self, reason: str, *, path: str | os.PathLike | None = None, line: int | None = None,
+                 field: str | None = None):
+        self.reason, self.path, self.line, self.field = reason, path, line, field
+        where = [str(path)] if path is not None else []
+        if line is not None:
+            where.append(f"line {line}")
+        if field is not None:
+            where.append(f"field '{field}'")
+        super().__init__(f"{', '.join(where)}: {reason}" if where else reason)
+
+    def located(self, path: str | os.PathLike | None = None, line: int | None = None) -> TraceFormatError:
+        """The same error with the file and line filled in (keeps what is already known)."""
+        return TraceFormatError(self.reason, path=self.path if self.path is not None else path,
+                                line=self.line if self.line is not None else line, field=self.field)
 
 
 def check_input_file(path: str | os.PathLike) -> Path:
