@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["TraceFormatError", "check_input_file", "check_options", "iter_json_lines", "lone_surrogate", "open_binary",
-           "open_text", "unreadable"]
+__all__ = ["TraceFormatError", "brief", "check_input_file", "check_options", "iter_json_lines", "lone_surrogate",
+           "open_binary", "open_text", "unreadable"]
 
 BOM = "\ufeff"
 _DECODE_ERRORS = (UnicodeDecodeError, gzip.BadGzipFile, EOFError, zlib.error)
@@ -171,3 +171,9 @@ def check_options(source: str, options: dict[str, Any], allowed: set[str]) -> No
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ValueError(f"source '{source}' got unknown option(s) {unknown}; valid options: {sorted(allowed)}")
+
+
+def brief(v: Any) -> str:
+    """``repr`` of a value, cut short: a 400-digit number must not fill the error line."""
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"

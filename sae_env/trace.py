@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from sae_env.inputs import TraceFormatError, check_input_file, open_text
+from sae_env.inputs import TraceFormatError, brief, check_input_file, open_text
 from sae_env.keys import chain_keys, content_hash, mix64
 
 __all__ = [
@@ -536,7 +536,7 @@ def _check_header(header: Any, path: Path, line: int | None = None) -> tuple[int
         raise TraceFormatError("missing", path=path, line=line, field="block_size")
     bs = header["block_size"]
     if type(bs) is not int or not 1 <= bs <= MAX_TOKENS:
-        raise TraceFormatError(f"must be an integer in [1, {MAX_TOKENS:,}], got {_short(bs)}", path=path, line=line,
+        raise TraceFormatError(f"must be an integer in [1, {MAX_TOKENS:,}], got {brief(bs)}", path=path, line=line,
                                field="block_size")
     meta = header.get("meta", {})
     if meta is None:
@@ -619,27 +619,22 @@ def _load_jsonl(path: Path) -> Trace:
         raise e.located(path) from e
 
 
-def _short(v: Any) -> str:
-    """``repr`` cut short: a 400-digit number must not fill the error line."""
-    text = repr(v)
-    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
-
 
 def _num(row: dict, name: str, lo: float, hi: float) -> float:
     v = row[name]
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
-        raise TraceFormatError(f"must be a finite number, got {_short(v)}", field=name)
+        raise TraceFormatError(f"must be a finite number, got {brief(v)}", field=name)
     if not lo <= v <= hi:  # compared before any float conversion: a 400-digit integer has none
-        raise TraceFormatError(f"must lie in [{lo:g}, {hi:g}], got {_short(v)}", field=name)
+        raise TraceFormatError(f"must lie in [{lo:g}, {hi:g}], got {brief(v)}", field=name)
     return float(v)
 
 
 def _int(row: dict, name: str, lo: int, hi: int) -> int:
     v = row[name]
     if type(v) is not int:  # exact: a bool is not a count, 1.5 is not a turn
-        raise TraceFormatError(f"must be an integer, got {_short(v)}", field=name)
+        raise TraceFormatError(f"must be an integer, got {brief(v)}", field=name)
     if not lo <= v <= hi:
-        raise TraceFormatError(f"must lie in [{lo}, {hi}], got {_short(v)}", field=name)
+        raise TraceFormatError(f"must lie in [{lo}, {hi}], got {brief(v)}", field=name)
     return v
 
 
@@ -649,7 +644,7 @@ def _app(row: dict) -> AppType:
         return AppType[app.upper()]
     if type(app) is int and 0 <= app < N_APP_TYPES:
         return AppType(app)
-    raise TraceFormatError(f"must be one of {[a.name.lower() for a in AppType]}, got {_short(app)}", field="app")
+    raise TraceFormatError(f"must be one of {[a.name.lower() for a in AppType]}, got {brief(app)}", field="app")
 
 
 def _int_list(row: dict, name: str, default: list | None = None, lo: int = INT64_MIN,
@@ -659,9 +654,9 @@ def _int_list(row: dict, name: str, default: list | None = None, lo: int = INT64
         raise TraceFormatError(f"must be a list of integers, got {type(v).__name__}", field=name)
     for k, x in enumerate(v):
         if type(x) is not int:
-            raise TraceFormatError(f"element {k} must be an integer, got {_short(x)}", field=name)
+            raise TraceFormatError(f"element {k} must be an integer, got {brief(x)}", field=name)
         if not lo <= x <= hi:
-            raise TraceFormatError(f"element {k} must lie in [{lo}, {hi}], got {_short(x)}", field=name)
+            raise TraceFormatError(f"element {k} must lie in [{lo}, {hi}], got {brief(x)}", field=name)
     return v
 
 

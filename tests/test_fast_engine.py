@@ -250,7 +250,7 @@ def test_without_numba_auto_falls_back(monkeypatch):
         Replay(trace, PrefixCache(4, make_policy("lru")), engine="fast")
 
 
-def test_env_uses_the_compiled_engine_and_render_hands_over():
+def test_env_uses_the_compiled_engine_and_render_leaves_it():
     from sae_env.env import PrefixCacheEnv
 
     env = PrefixCacheEnv(policy="lru", trace=build_trace([[0, 1], [0, 2], [0, 1, 3]] * 5), capacity=4, window=5,
@@ -259,7 +259,7 @@ def test_env_uses_the_compiled_engine_and_render_hands_over():
     assert env.replay.engine == "fast"
     env.step(env.action_space.sample())
     assert "4 blocks" in env.render()
-    assert env.replay.engine == "python"
+    assert env.replay.engine == "fast"  # render reads the window's statistics, not the cache (issue 14)
     while not env.step(env.noop_action())[2]:
         pass
     env.close()

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sae_env.inputs import open_binary, unreadable
+from sae_env.inputs import brief, open_binary, unreadable
 from sae_env.trace import (
     MAX_TIME_S,
     MAX_TOKENS,
@@ -161,35 +161,30 @@ _INT_KINDS = {COUNT: (0, _I64_END - 1, "must be < 2**63"),
               TURN: (1, MAX_TURN, f"must be at most {MAX_TURN}"), INT: (-_I64_END, _I64_END - 1, "must fit in 64 bits")}
 
 
-def _short(v) -> str:
-    """``repr`` of a value, cut short: a 400-digit number must not fill the error line."""
-    text = repr(v)
-    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
-
 
 def _check_value(v, kind: str) -> str | None:
     """Why ``v`` is not a valid value of ``kind`` (None when valid). Exact type tests: bool is not an integer."""
     t = type(v)
     if kind in _INT_KINDS:
         if t is not int:
-            return f"must be an integer, got {_short(v)}"
+            return f"must be an integer, got {brief(v)}"
         lo, hi, too_big = _INT_KINDS[kind]
         if v > hi:
-            return f"{too_big}, got {_short(v)}"
-        return None if v >= lo else f"{too_big if kind == INT else f'must be >= {lo}'}, got {_short(v)}"
+            return f"{too_big}, got {brief(v)}"
+        return None if v >= lo else f"{too_big if kind == INT else f'must be >= {lo}'}, got {brief(v)}"
     if kind in _TIME_END:
         if t is not int and t is not float:
-            return f"must be a number, got {_short(v)}"
+            return f"must be a number, got {brief(v)}"
         # Compare before any float conversion: a 400-digit integer has none.
         if t is float and not math.isfinite(v):
             return f"must be finite, got {v!r}"
         if v < 0:
-            return f"must be >= 0, got {_short(v)}"
+            return f"must be >= 0, got {brief(v)}"
         end = _TIME_END[kind]
         unit = "s" if kind == TIME else "ms"
-        return None if v <= end else f"must be at most {end:.0e} {unit} (the trace clock's range), got {_short(v)}"
+        return None if v <= end else f"must be at most {end:.0e} {unit} (the trace clock's range), got {brief(v)}"
     if kind == STR:
-        return None if t is str else f"must be a string, got {_short(v)}"
+        return None if t is str else f"must be a string, got {brief(v)}"
     raise RuntimeError(f"unknown field kind {kind!r}")
 
 
@@ -197,9 +192,9 @@ def _bad_id_list(ids) -> str | None:
     """Slow-path check of one id list: why it is invalid, or None."""
     for k, x in enumerate(ids):
         if type(x) is not int:
-            return f"element {k} must be an integer, got {_short(x)}"
+            return f"element {k} must be an integer, got {brief(x)}"
         if not 0 <= x < _U64_END:
-            return f"element {k} must lie in [0, 2**64), got {_short(x)}"
+            return f"element {k} must lie in [0, 2**64), got {brief(x)}"
     return None
 
 
