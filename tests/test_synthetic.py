@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from sae_env.sources import load_source
 from sae_env.sources import synthetic as S
+from sae_env.sources.synthetic_config import merge
 from sae_env.trace import AppType, TokenType, Trace, TraceFormatError, chain_requests, token_blocks
 
 SMALL = {  # short segments and a small block size: many blocks straddle segment boundaries
@@ -31,7 +32,7 @@ SMALL = {  # short segments and a small block size: many blocks straddle segment
 
 
 def small(**over) -> S.SyntheticConfig:
-    return S.SyntheticConfig.from_dict(S._merge(SMALL, over))
+    return S.SyntheticConfig.from_dict(merge(SMALL, over))
 
 
 def same_partition(a: np.ndarray, b: np.ndarray) -> bool:

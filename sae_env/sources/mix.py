@@ -57,7 +57,8 @@ import numpy as np
 
 from sae_env.inputs import check_options
 from sae_env.sources.azure import AzureProcess, load_process
-from sae_env.sources.synthetic import _integer, _number, phase_of, poisson_arrivals, read_config_file
+from sae_env.sources.synthetic import phase_of, poisson_arrivals
+from sae_env.sources.synthetic_config import integer, number, read_config_file
 from sae_env.trace import LoadReport, Trace, csr_offsets, mix64
 
 __all__ = ["AFTER_SCHEDULE", "ARRIVAL_PROCESSES", "Component", "MixArrivals", "MixConfig", "MixPhase", "ON_EXHAUSTED",
@@ -104,13 +105,13 @@ class MixPhase:
     name: str = ""
 
     def __post_init__(self) -> None:
-        if _number(self.duration, "duration") <= 0:
+        if number(self.duration, "duration") <= 0:
             raise ValueError(f"duration must be > 0 s, got {self.duration}")
-        if _number(self.rate, "rate") < 0:
+        if number(self.rate, "rate") < 0:
             raise ValueError(f"rate must be >= 0 sessions/s, got {self.rate}")
         if not isinstance(self.weights, Mapping):
             raise ValueError(f"weights must be a mapping of component name -> weight, got {self.weights!r}")
-        w = {str(k): _number(v, f"weights[{k!r}]") for k, v in self.weights.items()}
+        w = {str(k): number(v, f"weights[{k!r}]") for k, v in self.weights.items()}
         bad = [k for k, v in w.items() if v < 0]
         if bad:
             raise ValueError(f"weights {bad} must be >= 0")
@@ -185,7 +186,7 @@ class MixConfig:
             unknown = sorted(set(p.weights) - set(names))
             if unknown:
                 raise ValueError(f"phases[{i}].weights: unknown component(s) {unknown}; components: {names}")
-        seed = _integer(self.seed, "seed")
+        seed = integer(self.seed, "seed")
         if seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         object.__setattr__(self, "seed", seed)
@@ -194,7 +195,7 @@ class MixConfig:
         if self.after_schedule not in AFTER_SCHEDULE:
             raise ValueError(f"after_schedule must be one of {list(AFTER_SCHEDULE)}, got {self.after_schedule!r}")
         if self.block_size is not None:
-            bs = _integer(self.block_size, "block_size")
+            bs = integer(self.block_size, "block_size")
             if bs < 1:
                 raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
             object.__setattr__(self, "block_size", bs)
