@@ -71,6 +71,7 @@ __all__ = [
     "STRUCTURAL_NAMES",
     "chat_prompt_features",
     "first_requests",
+    "key_bucket",
     "ngram_vector",
     "request_features",
     "session_labels",
@@ -280,7 +281,8 @@ def _other_sessions_before(trace: Trace, upto: int) -> np.ndarray:
     return before - (~first_pair).astype(np.int64)
 
 
-def _key_bucket(keys: np.ndarray) -> np.ndarray:
+def key_bucket(keys: np.ndarray) -> np.ndarray:
+    """The id bucket (0 .. ID_BUCKETS - 1) of each block key: a salted hash, so keys spread evenly."""
     h = _mix(keys.astype(np.int64).view(np.uint64) ^ _SALT_BI)
     return (h % np.uint64(ID_BUCKETS)).astype(np.int64)
 
@@ -339,10 +341,10 @@ def structural_features(trace: Trace, idx: Sequence[int] | np.ndarray | None = N
     c += 7
     rows = np.flatnonzero(has)
     keys = trace.prompt_keys
-    out[rows, c + _key_bucket(keys[first[rows]])] = 1.0
+    out[rows, c + key_bucket(keys[first[rows]])] = 1.0
     c += ID_BUCKETS
     rows = np.flatnonzero(head > 0)
-    out[rows, c + _key_bucket(keys[first[rows] + head[rows] - 1])] = 1.0
+    out[rows, c + key_bucket(keys[first[rows] + head[rows] - 1])] = 1.0
     c += ID_BUCKETS
     if c != N_STRUCTURAL:
         raise RuntimeError("structural_features: column count disagrees with STRUCTURAL_NAMES")

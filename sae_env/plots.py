@@ -55,7 +55,7 @@ from scipy import stats
 from sae_env.files import atomic_path
 from sae_env.intervals import mean_interval
 
-__all__ = ["plot_belady_keeps", "plot_gap_bar", "plot_gap_histograms", "plot_hit_by_offset",
+__all__ = ["line_with_band", "plot_belady_keeps", "plot_gap_bar", "plot_gap_histograms", "plot_hit_by_offset",
            "plot_hit_rate_over_time", "plot_hit_rate_vs_capacity", "plot_miss_split", "plot_paired",
            "plot_param_trajectories", "plot_regret_breakdown", "plot_reuse_by_app", "plot_reuse_by_token_type",
            "plot_ttft_cdf", "plot_ttft_vs_load"]
@@ -177,8 +177,8 @@ def _panels(n: int, width: float = 5.2, height: float = 3.6) -> tuple[Figure, li
     return fig, list(fig.subplots(1, n, squeeze=False)[0])
 
 
-def _line_with_band(ax: Any, xs: list[float], per_x: list[list[float]], style: str, color: str, label: str,
-                    scale: float = 1.0) -> None:
+def line_with_band(ax: Any, xs: list[float], per_x: list[list[float]], style: str, color: str, label: str,
+                   scale: float = 1.0) -> None:
     """The mean of each x's values as a line, and their 95 % confidence interval over seeds as a band."""
     ivs = [mean_interval(v) for v in per_x]
     ax.plot(xs, [np.nan if iv.mean is None else scale * iv.mean for iv in ivs], style, color=color, label=label)
@@ -204,7 +204,7 @@ def plot_hit_rate_vs_capacity(rows: list[Mapping[str, Any]], path: str | Path) -
                     points.setdefault(key, {}).setdefault(r["seed"], []).append(float(r["token_hit_rate"]))
                     blocks.setdefault(key, []).append(int(r["capacity_blocks"]))
             keys = sorted(points, key=lambda k: np.mean(blocks[k]))
-            _line_with_band(ax, [float(np.mean(blocks[k])) for k in keys],
+            line_with_band(ax, [float(np.mean(blocks[k])) for k in keys],
                             [[float(np.mean(v)) for v in points[k].values()] for k in keys], "o-", f"C{i % 10}",
                             agent, 100.0)
         ax.set_xlabel("cache capacity (blocks; mean over seeds)")
@@ -228,7 +228,7 @@ def plot_ttft_vs_load(rows: list[Mapping[str, Any]], path: str | Path) -> Path |
             for key, style in (("ttft_mean_ms", "o-"), ("ttft_p99_ms", "s--")):
                 per_load = [[r[key] for r in rows if r["workload"] == w and r["agent"] == agent and r["load"] == u
                              and r[key] is not None] for u in loads]
-                _line_with_band(ax, loads, per_load, style, color,
+                line_with_band(ax, loads, per_load, style, color,
                                 f"{agent} {'mean' if key == 'ttft_mean_ms' else 'p99'}")
         ax.set_yscale("log")
         ax.set_xlabel("load (target prefill utilisation)")

@@ -47,7 +47,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HEAD_ENV", "LOCAL_ENV", "clean_stale_folders", "head_node", "ray_cluster"]
+__all__ = ["HEAD_ENV", "LOCAL_ENV", "clean_stale_folders", "head_node", "own_folder", "ray_cluster"]
 
 # The environment a private local cluster starts with (see the module docstring).
 LOCAL_ENV: dict[str, str] = {
@@ -72,7 +72,7 @@ _MAX_TEMP_DIR = 40  # characters: Ray appends ~60 (session_<date>_<pid>/sockets/
 def _private_home() -> str:
     """A fresh folder for ``HOME`` while Ray starts, holding the EMPTY bootstrap config that stops the head's
     cloud-provider probe (see the module docstring)."""
-    home = _own_folder(_HOME_PREFIX)
+    home = own_folder(_HOME_PREFIX)
     open(os.path.join(home, "ray_bootstrap_config.yaml"), "w").close()
     return home
 
@@ -121,7 +121,7 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None, temp_di
     clean_stale_folders()
     home = _private_home()
     own_temp = temp_dir is None
-    session_dir = _own_folder(_SESSION_PREFIX) if own_temp else str(temp_dir)
+    session_dir = own_folder(_SESSION_PREFIX) if own_temp else str(temp_dir)
     old = _set_env({**LOCAL_ENV, "HOME": home})
     started = False
     patched = False
@@ -203,7 +203,7 @@ def head_node(num_cpus: int | None = None, client_port: int | None = None, num_g
         raise ValueError(f"num_cpus must be >= 1, got {num_cpus!r}")
     clean_stale_folders()
     home = _private_home()
-    session_dir = _own_folder(_SESSION_PREFIX)
+    session_dir = own_folder(_SESSION_PREFIX)
     client_port = int(client_port) if client_port is not None else _free_port()
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
            f"--port={_free_port()}", f"--ray-client-server-port={client_port}", "--include-dashboard=false",
@@ -274,7 +274,7 @@ def _process_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]  # field 22 (starttime); the name in (...) may hold spaces
 
 
-def _own_folder(prefix: str) -> str:
+def own_folder(prefix: str) -> str:
     """A fresh folder under /tmp marked with this process as its owner."""
     folder = tempfile.mkdtemp(prefix=prefix, dir=_TMP)
     Path(folder, _OWNER).write_text(f"{os.getpid()} {_process_start(os.getpid())}\n")

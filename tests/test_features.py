@@ -27,8 +27,8 @@ from sae_env.features import (
     ID_BUCKETS,
     N_STRUCTURAL,
     STRUCTURAL_NAMES,
-    _key_bucket,
     first_requests,
+    key_bucket,
     ngram_vector,
     request_features,
     session_labels,
@@ -216,8 +216,8 @@ def structural_reference(trace: Trace, i: int) -> dict[str, float]:
     for t, name in enumerate(("system", "template", "user", "assistant", "tool_output", "reasoning", "unknown")):
         ref[f"frac_{name}"] = float(np.sum(types == t)) / max(nb, 1)
     for b in range(ID_BUCKETS):
-        ref[f"first_id_{b}"] = float(nb > 0 and int(_key_bucket(keys[:1])[0]) == b)
-        ref[f"head_id_{b}"] = float(head > 0 and int(_key_bucket(keys[head - 1:head])[0]) == b)
+        ref[f"first_id_{b}"] = float(nb > 0 and int(key_bucket(keys[:1])[0]) == b)
+        ref[f"head_id_{b}"] = float(head > 0 and int(key_bucket(keys[head - 1:head])[0]) == b)
     return ref
 
 

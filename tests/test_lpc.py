@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sae_env.policies import make_policy
-from sae_env.policies.lpc import _SHARED, LPCPolicy
+from sae_env.policies.lpc import SHARED, LPCPolicy
 from sae_env.replay import replay
 from sae_env.serving import make_server
 from sae_env.trace import AppType, Trace, chain_requests
@@ -93,7 +93,7 @@ def test_shared_head_outlives_fresher_one_off_blocks():
     assert [w.hit_blocks for w in r.windows] == [0, 2, 0, 0, 0, 2]
     assert hits(tr, make_policy("lru"), 6) == [0, 2, 0, 0, 0, 0]  # LRU evicted the head at t = 3.5
     head = [r.cache.blocks[k] for k in tr.prompt_blocks(5)[0][:2].tolist()]
-    assert all(b.pdata[1] is _SHARED for b in head)
+    assert all(b.pdata[1] is SHARED for b in head)
     own = r.cache.blocks[int(tr.prompt_blocks(5)[0][2])]
     assert own.pdata[1] == 4  # the request's own block carries its session
 

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sae_env.ray_local import _own_folder, clean_stale_folders
+from sae_env.ray_local import clean_stale_folders, own_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = """
@@ -47,7 +47,7 @@ def test_sigterm_cleans_up_and_sigkill_leftovers_go_at_the_next_start():
     time.sleep(1)  # its Ray processes share its fate
     assert all(p.exists() for p in own)
     # Folders that are not a dead owner's stay: one of a live process, one without an owner file.
-    live = Path(_own_folder("sae-ray-"))  # owned by this (live) process
+    live = Path(own_folder("sae-ray-"))  # owned by this (live) process
     unowned = Path(tempfile.mkdtemp(prefix="sae-ray-", dir="/tmp"))
     try:
         # What the next local cluster does first (ray_cluster and head_node call it before they make folders).

@@ -15,7 +15,7 @@ from scipy import stats
 
 from agents.evaluate import CellRunner
 from sae_env.experiment import load_config, run_experiment
-from sae_env.plots import _line_with_band
+from sae_env.plots import line_with_band
 from sae_env.tracking import offline_run_files, read_offline_run
 
 RUNNER = CellRunner()
@@ -122,14 +122,14 @@ def test_plots_draw_the_intervals_as_bands(run):
     assert "over seeds)" in (run.run_dir / "report.md").read_text()  # each seed's trace has its own size
     ax = Figure().add_subplot()
     per_x = [[1.0, 2.0, 3.0], [2.0, 2.5, 4.0], [5.0]]
-    _line_with_band(ax, [0.5, 0.7, 0.9], per_x, "o-", "C0", "x")
+    line_with_band(ax, [0.5, 0.7, 0.9], per_x, "o-", "C0", "x")
     (band,) = [c for c in ax.collections if isinstance(c, PolyCollection)]
     ys = band.get_paths()[0].vertices[:, 1]
     for xs in per_x[:2]:
         low, high = stats.t.interval(0.95, len(xs) - 1, loc=np.mean(xs), scale=stats.sem(xs))
         assert np.isclose(ys, low).any() and np.isclose(ys, high).any()
     one = Figure().add_subplot()
-    _line_with_band(one, [1.0], [[2.0]], "o-", "C0", "single seed")
+    line_with_band(one, [1.0], [[2.0]], "o-", "C0", "single seed")
     assert not one.collections  # one seed: a line, no band
 
 

@@ -67,7 +67,7 @@ from sae_env.block import Block
 from sae_env.policies.base import KeyedPolicy, ParamSpec
 from sae_env.trace import Trace
 
-_SHARED = object()  # the "session" of blocks shared by several sessions
+SHARED = object()  # the "session" of blocks shared by several sessions
 _GAP_WINDOW = 1000  # running mean over the first gaps, then EMA with weight 1 / _GAP_WINDOW
 _REKEY_DRIFT = 0.25  # re-key the heap when tau moved by more than this fraction
 
@@ -127,7 +127,7 @@ class LPCPolicy(KeyedPolicy):
     def params_changed(self) -> None:
         old = (getattr(self, "_shared_logit", None), getattr(self, "_keyed_scale", None))
         self._shared_logit = _logit(self._params["p_shared"])
-        self._shared = (self._shared_logit, _SHARED)
+        self._shared = (self._shared_logit, SHARED)
         # Agents may send the same parameters every window: re-key only when a parameter really changed, so that
         # setting unchanged values is a no-op (tau's own drift is handled where tau is learned).
         if self.cache is not None and (self._shared_logit, self._params["tau_scale"]) != old:
@@ -204,7 +204,7 @@ class LPCPolicy(KeyedPolicy):
         parent = block.parent
         if parent is not None:
             d = parent.pdata
-            if d[1] is not _SHARED:
+            if d[1] is not SHARED:
                 block.pdata = d
                 return
         block.pdata = self._cur
@@ -218,7 +218,7 @@ class LPCPolicy(KeyedPolicy):
 
     def priority(self, block: Block, now: float) -> float:
         d = block.pdata
-        return block.last_access + self._keyed_tau * (self._shared_logit if d[1] is _SHARED else d[0])
+        return block.last_access + self._keyed_tau * (self._shared_logit if d[1] is SHARED else d[0])
 
     # -- reporting -------------------------------------------------------------------------------------------
     def window_stats(self) -> dict[str, Any]:
