@@ -40,6 +40,10 @@ Run configuration (``configs/ppo.yaml``)::
     trace_seeds: [1, 2, 3]  # optional: train on these seeds of the env's generated trace (a 'seed' key in its spec)
     ppo: {...}              # PPOConfig fields
     eval: {seed: 0, trace_seed: 0, env: {...}}   # optional: after training, PPOAgent vs FixedAgent() on this env
+
+Why one piece (~720 lines): CleanRL's convention, one readable file from the network through rollouts, GAE, the
+update and training to the agent and its command, so the algorithm reads top to bottom without jumping between
+modules.
 """
 
 from __future__ import annotations

@@ -30,6 +30,10 @@ Checkpoints (:meth:`SessionPredictor.save` / :meth:`SessionPredictor.load`): ``t
 Policies get the model as a callable (:meth:`SessionPredictor.as_policy_callable`): ``f(trace, i) -> (p_chat,
 p_agent)`` with ``prepare(trace)``, which predicts every first request of a trace in one batch (features use only
 what exists at each request's arrival, so batching up front changes nothing).
+
+Why one piece (~540 lines): the model, its input normalisation, its training, its evaluation and its checkpoint are
+one contract (a checkpoint records the feature version, the normalisation and the training report); its command
+(``train.py predictor``) is the last few lines.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ Subcommands:
 
 Bad input (unknown source or policy, malformed trace, impossible capacity) prints one clear line on stderr and
 exits with status 2; nothing is half-written (outputs are written atomically).
+
+Why one piece (~590 lines): each subcommand's handler sits beside the parser that wires it, and every handler is a
+few lines over the library (parse, call, print); split apart, the parser and its handlers would import each other.
 """
 
 from __future__ import annotations

@@ -38,6 +38,10 @@ Gap-analysis figures (``train.py explain``) take the dict returned by :func:`sae
   time at eviction, with the regret per 100 references of each bucket where that is defined;
 - ``belady_keeps.png``: the blocks the policy misses and Belady hits, by token type and by age, beside all of the
   policy's misses.
+
+Why one piece (~540 lines): every figure of the project (characterisation, experiment reports, explain) is one
+function over one Agg-canvas style (sizes, DPI, colours, the 95 % band helper); callers pick theirs by name, and a
+figure changes in one place.
 """
 
 from __future__ import annotations

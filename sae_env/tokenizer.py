@@ -53,6 +53,10 @@ boundaries (e.g. ``assistant\\n`` + a content starting with a newline); the diff
 Types come exactly from roles: system -> SYSTEM; the tools section of the system message -> TEMPLATE; user ->
 USER; assistant (text and tool calls) -> ASSISTANT; tool results -> TOOL_OUTPUT; ``<think>...</think>\\n\\n`` ->
 REASONING. Scaffolding tokens (``<|im_start|>``, the role line, ``<|im_end|>\\n``) take their message's type.
+
+Why one piece (~500 lines): the chat template renders with its tokenizer's special ids and labels every token it
+emits, so the two tokenizers, their reserved ids and the template that depends on them are one contract (a test
+renders through both).
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ namespaced as CleanRL does (``charts/...``, ``losses/...``) against a step metri
 Offline runs are one binary ``run-<id>.wandb`` file (LevelDB-log framing, protobuf records) that ``wandb.Api``
 cannot read without a server; :func:`read_offline_run` parses it so that tests (and users) can check what was
 logged.
+
+Why one piece (~500 lines): the cell runs, the summary run and the training runs share one never-fatal W&B wrapper
+(warn once, turn off, keep the local files) and one background writer; the offline-run reader reads back exactly the
+records they write, so what is logged and how it is checked stay side by side.
 """
 
 from __future__ import annotations

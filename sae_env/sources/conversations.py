@@ -46,6 +46,9 @@ default the simple tokenizer), ``system_prompt`` (text prepended to every conver
 ``features`` (None, default, or ``"ngram"``: store one row per call in ``trace.features``, the hashed n-gram vector
 of the call's rendered prompt, see :func:`sae_env.features.chat_prompt_features`) and ``feature_dim`` (1536).
 With ``path=None`` the embedded WildChat excerpt is loaded.
+
+Why one piece (~590 lines): one source, one module; the chat pipeline (render, cut into blocks, chain, time) is
+shared with tau-bench and only makes sense with the message normalisation that feeds it.
 """
 
 from __future__ import annotations

@@ -30,6 +30,9 @@ Types (:func:`infer_block_types`), inferred from structure, not observed:
     * new blocks after the inherited part and the shared head: the first ``ceil(parent_output_tokens /
       block_size)`` -> ASSISTANT (the previous answer, now part of the history), the rest -> USER. A request
       without a parent has no ASSISTANT blocks.
+
+Why one piece (~570 lines): reading, chaining, session inference and type inference are one vectorised pipeline
+over the same flat arrays that the two hash-only sources share; each step consumes the previous one's arrays.
 """
 
 from __future__ import annotations

@@ -42,6 +42,9 @@ Algorithm:
    session id in its component, unknown sessions as :meth:`Trace.session_ids` numbers them) and
    ``meta["session_pass"]`` are indexed by the new session id; :func:`component_of` maps requests to components and
    :func:`sae_env.sources.synthetic.phase_of` to phases (``meta["phases"]``: ``{start, end, name, weights}``).
+
+Why one piece (~540 lines): one source, one module, as for every source; the config, the session schedule and the
+key salting are the one algorithm above, each step feeding the next.
 """
 
 from __future__ import annotations
