@@ -22,8 +22,9 @@ Per-block events come in lists, one call per request: on a Python hot path the c
 A policy sees only what a real server would know at that moment, except *oracle* policies (``oracle = True``,
 e.g. Belady), whose extra knowledge is computed in :meth:`bind` and arrives with each request.
 
-Tunable policies expose a named, bounded parameter vector (:class:`ParamSpec`), set by agents through
-:meth:`set_params`.
+Tunable policies expose a named, bounded parameter vector (:class:`~sae_env.policies.params.ParamSpec`, with its map
+onto agents' actions in :mod:`sae_env.policies.params`), set by agents through :meth:`set_params`. A policy reads
+the cache only through :class:`BlockTable` (its blocks and capacity): this module does not import the cache.
 
 :class:`KeyedPolicy` is the SGLang-style shortcut: a policy that is nothing but a sort key over evictable leaves,
 fixed when the block becomes evictable (a lazy-deletion heap keeps them).

@@ -108,6 +108,14 @@ class _ArrivalClock:
             raise ValueError(f"advance_to({t}): time goes backwards (the server is at {self._min_arrival})")
         self._min_arrival = t
 
+    @staticmethod
+    def _due(done: deque[Completion], t: float) -> list[Completion]:
+        """The completions at the front of ``done`` (time order) whose first token is out by ``t``, taken off."""
+        out = []
+        while done and done[0].t_first_token <= t:
+            out.append(done.popleft())
+        return out
+
 
 class PrefillServer(_ArrivalClock):
     """FIFO chunked-prefill server under a token budget (see the module docstring for the exact rules)."""
@@ -193,11 +201,7 @@ class PrefillServer(_ArrivalClock):
         q = self._queue
         while q and max(self._free_at, q[0][1]) < t:
             self._run_iteration()
-        done = self._done
-        out = []
-        while done and done[0].t_first_token <= t:
-            out.append(done.popleft())
-        return out
+        return self._due(self._done, t)
 
     def drain(self) -> list[Completion]:
         """Run everything queued (no more arrivals before it is done) and return all outstanding completions."""
@@ -246,11 +250,7 @@ class InstantServer(_ArrivalClock):
 
     def advance_to(self, t: float) -> list[Completion]:
         self._advance_clock(t)
-        q = self._queue
-        out = []
-        while q and q[0].t_first_token <= t:
-            out.append(q.popleft())
-        return out
+        return self._due(self._queue, t)
 
     def drain(self) -> list[Completion]:
         out = list(self._queue)
