@@ -80,7 +80,7 @@ from typing import Any
 
 import numpy as np
 
-from sae_env.block import TYPE_SLOTS, Block, queue_type_code, split_queue_type
+from sae_env.block import TYPE_SLOTS, Block, split_queue_type
 from sae_env.policies.base import EvictionPolicy, ParamSpec
 from sae_env.policies.continuation import ContinuationModel
 from sae_env.policies.survival import ExponentialGaps, LognormalGaps
@@ -411,7 +411,7 @@ class SAECachePolicy(EvictionPolicy):
     def _group(self, b: Block) -> int:
         if (b.queue == CH or b.queue == AG) and b.pdata is not None:
             return b.pdata  # set at the block's release: its releasing request's continuation bin
-        return queue_type_code(b.queue, b.type if self._typed else 0)
+        return b.queue * TYPE_SLOTS + (b.type if self._typed else 0)  # queue_type_code, inlined: per eviction
 
     def _list(self, g: int) -> _RecencyList:
         lst = self._lists.get(g)
@@ -629,7 +629,7 @@ class SAECachePolicy(EvictionPolicy):
     def _candidates(self, g: int) -> list[Block]:
         """The blocks of group ``g`` that can hold its least key (see on_release and _structural_candidates)."""
         kind = (self._consts.get(g) or self._constants(g))[1]
-        if _queue_of(g) == ST and self._st_sampled:
+        if self._st_sampled and _queue_of(g) == ST:
             cands = self._structural_candidates(g, self.sample)
         else:
             # A chat, agent or PE group's oldest evictable block is the older of its list head and its heap top
@@ -659,7 +659,7 @@ class SAECachePolicy(EvictionPolicy):
         # Blocks a request released together share their idle time, so one density evaluation per (group, release
         # time) serves the whole run of evictions at this instant (structural blocks then weigh it by offset).
         memo = self._memo if kind == _DENSITY else None
-        decay = self._gamma if _queue_of(g) == ST and self.switches["position_decay"] else None
+        decay = self._gamma if self.switches["position_decay"] and _queue_of(g) == ST else None
         for b in cands:  # the priority() formula, with the group's constants
             if memo is not None:
                 score = memo.get((g, b.last_access))
