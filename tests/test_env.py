@@ -271,7 +271,7 @@ def test_action_mapping_log_and_linear_scales():
     specs = policy_class("saecache").param_specs
     mid = action_to_values(specs, np.zeros(len(specs)))
     assert mid["alpha_st"] == pytest.approx(1.0)  # log scale over [0.05, 20]: the geometric mean is 1
-    assert mid["mu_chat"] == pytest.approx(4.0)  # linear over [-2, 10]
+    assert mid["mu_chat"] == pytest.approx(1.5)  # linear over [-7, 10]
     ends = action_to_values(specs, np.ones(len(specs)))
     assert all(ends[p.name] == pytest.approx(p.high) for p in specs)
     rng = np.random.default_rng(0)

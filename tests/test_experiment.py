@@ -434,7 +434,7 @@ def test_readme_agent_example_runs(tmp_path, monkeypatch):
     (tmp_path / "my_agents.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     config = small(tmp_path, workloads=[SMALL["workloads"][0]], capacities=[0.2], seeds=[0],
-                   agents=["saecache-fixed", {"name": "climber", "policy": "saecache",
+                   agents=["saecache-fixed", {"name": "climber", "policy": "saecache-paper",
                                               "agent": "my_agents:GammaClimber", "options": {"factor": 2}}])
     run = run_experiment(load_config(config, RUNNER), RUNNER, serial=True, progress=False, log=lambda m: None)
     assert run.ok

@@ -111,12 +111,12 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("alpha_ag", 0.05, 20.0, 1.0, log=True, doc="queue weight, agent"),
     *(ParamSpec(f"w_{t.name.lower()}", 0.05, 20.0, 1.0, log=True, doc=f"token-type weight, {t.name}")
       for t in TokenType),
-    ParamSpec("mu_chat", -2.0, 10.0, 4.88, doc="log-normal mu of chat re-access gaps (ln s)"),
+    ParamSpec("mu_chat", -7.0, 10.0, 4.88, doc="log-normal mu of chat re-access gaps (ln s)"),
     ParamSpec("sigma_chat", 0.1, 4.0, 0.98, doc="log-normal sigma of chat re-access gaps"),
-    ParamSpec("mu_agent", -2.0, 10.0, 1.0, doc="log-normal mu of agent re-access gaps (ln s)"),
+    ParamSpec("mu_agent", -7.0, 10.0, 1.0, doc="log-normal mu of agent re-access gaps (ln s)"),
     ParamSpec("sigma_agent", 0.1, 4.0, 0.8, doc="log-normal sigma of agent re-access gaps"),
     ParamSpec("gamma", 0.05, 20.0, 1.0, log=True, doc="position decay power of structural blocks"),
-    ParamSpec("mu_structural", -2.0, 12.0, 3.4, doc="log-normal mu of structural re-access gaps (ln s)"),
+    ParamSpec("mu_structural", -7.0, 12.0, 3.4, doc="log-normal mu of structural re-access gaps (ln s)"),
     ParamSpec("sigma_structural", 0.1, 4.0, 2.0, doc="log-normal sigma of structural re-access gaps"),
 )
 
