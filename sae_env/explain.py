@@ -195,6 +195,12 @@ def _hits_per_request(rep: Replay) -> np.ndarray:
         if rep.windows else np.zeros(0, dtype=np.int64)
 
 
+def _queue_label(policy: EvictionPolicy, q: int) -> str:
+    """A queue id by the name its policy gives it (``Block.queue``), the id itself past the named ones."""
+    names = policy.queue_names
+    return names[q] if 0 <= q < len(names) else str(q)
+
+
 def _buckets(values: np.ndarray, edges: Sequence[float]) -> np.ndarray:
     """The bucket of each value: ``i`` for ``edges[i] <= v < edges[i + 1]``, the last one open-ended."""
     return np.maximum(np.searchsorted(np.asarray(edges, dtype=np.float64), values, side="right") - 1, 0)
@@ -299,7 +305,7 @@ def explain(trace: Trace, policy: str, capacity: int, *, build: Builder | None =
     queues = sorted(set(queue[regret].tolist()))
     regret_by = {
         "token_type": _table(types, type_labels, references=every, misses=x_miss, regret=regret),
-        "queue": _table(np.searchsorted(queues, queue), [str(q) for q in queues], regret=regret),
+        "queue": _table(np.searchsorted(queues, queue), [_queue_label(x.policy, q) for q in queues], regret=regret),
         "turn": _table(turns, turn_labels, references=every, misses=x_miss, regret=regret),
         "depth": _table(depths, depth_labels, references=every, misses=x_miss, regret=regret),
         "idle_at_eviction": _table(_buckets(idle, SECONDS_EDGES), sec_labels,

@@ -57,7 +57,7 @@ def test_golden_miss_split():
     assert (rows["belady"]["misses"], rows["belady"]["compulsory"]) == (6, 5)
     assert rows["lru"]["gap_share"] == 0.0 and rows["belady"]["gap_share"] == 1.0
     assert r["regret_by"]["idle_at_eviction"] == [{"bucket": "1-10 s", "regret": 2}]
-    assert r["regret_by"]["queue"] == [{"bucket": "0", "regret": 2}]
+    assert r["regret_by"]["queue"] == [{"bucket": "cache", "regret": 2}]  # the queue by its policy's name
     assert r["regret_by"]["token_type"] == [{"bucket": "USER", "references": 8, "misses": 8, "regret": 2}]
     assert r["regret_by"]["depth"] == [{"bucket": "0", "references": 8, "misses": 8, "regret": 2}]
     keeps = r["belady_keeps"]
