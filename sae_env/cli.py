@@ -225,10 +225,12 @@ def _policy_list(text: str) -> list[str]:
     return names
 
 
-def _replay_inputs(args: argparse.Namespace) -> tuple[Trace, int, int]:
-    """The trace (``--trace/--source/--opt/--block-size``, rescaled by ``--load``), the capacity in blocks and the
-    trace's distinct blocks, as ``replay`` and ``explain`` read them."""
+def _replay_inputs(args: argparse.Namespace, allow_range: bool = False) -> tuple[Trace, Any, int]:
+    """The trace (``--trace/--source/--opt/--block-size``, rescaled by ``--load``), the capacity in blocks (with
+    ``allow_range``: the list of capacities ``--capacity`` names, one or a range) and the trace's distinct blocks,
+    as ``replay`` and ``explain`` read them."""
     from sae_env.cache import resolve_capacity
+    from sae_env.mrc import capacity_range, is_range
     from sae_env.serving import make_server
 
     trace, report = load_input(args.trace, args.source, parse_options(args.opt), args.block_size)
@@ -237,11 +239,16 @@ def _replay_inputs(args: argparse.Namespace) -> tuple[Trace, int, int]:
         trace = apply_load(trace, args.serving, args.load)
     distinct = trace.distinct_blocks()
     kv_bytes = make_server(args.serving).kv_bytes_per_token
-    capacity = resolve_capacity(args.capacity, distinct, kv_bytes, trace.block_size)
-    if capacity > 100 * max(distinct, 1):
-        raise UsageError(f"capacity {capacity} blocks is more than 100x the trace's {distinct} distinct blocks; "
-                         "use a fraction (e.g. 0.15) or a smaller number")
-    return trace, capacity, distinct
+    if is_range(args.capacity):
+        if not allow_range:
+            raise UsageError(f"--capacity {args.capacity}: give one capacity here (ranges are for `replay`)")
+        capacities = capacity_range(args.capacity, distinct, kv_bytes, trace.block_size)
+    else:
+        capacities = [resolve_capacity(args.capacity, distinct, kv_bytes, trace.block_size)]
+    if capacities[-1] > 100 * max(distinct, 1):
+        raise UsageError(f"capacity {capacities[-1]} blocks is more than 100x the trace's {distinct} distinct "
+                         "blocks; use a fraction (e.g. 0.15) or a smaller number")
+    return trace, capacities if allow_range else capacities[0], distinct
 
 
 def _build_policy(args: argparse.Namespace, name: str) -> tuple[Any, list]:
@@ -265,33 +272,80 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     names = _policy_list(args.policy)
     _check_outputs(args)
-    trace, capacity, distinct = _replay_inputs(args)
+    trace, capacities, distinct = _replay_inputs(args, allow_range=True)
     results = []
     for name in names:
-        policy, callbacks = _build_policy(args, name)
-        server = make_server(args.serving)
-        rep = Replay(trace, PrefixCache(capacity, policy), server, window_requests=args.window,
-                     callbacks=callbacks)
-        rep.run(progress=args.progress)
-        summary = summarize(rep.windows, policy=name, block_size=trace.block_size, timed=server.timed)
-        summary["oracle"] = policy.oracle
-        summary["distinct_blocks"] = distinct
-        summary["serving"] = args.serving
-        summary["load"] = args.load
-        summary["adaptive"] = bool(callbacks)
-        summary["params"] = policy.params
-        summary["decision_us_per_request"] = 1e6 * rep.wall_s / max(len(trace), 1)  # wall clock, not a metric
-        results.append(summary)
-    print(f"{len(trace)} requests, {trace.n_blocks} prompt blocks, {distinct} distinct blocks, "
-          f"capacity {capacity} blocks ({capacity / max(distinct, 1):.1%}), block size {trace.block_size}, "
-          f"serving {args.serving}")
-    print("policy".ljust(14) + "".join(c[:12].rjust(13) for c in REPLAY_COLUMNS))
+        curve = _lru_curve(args, trace, name, capacities)
+        for capacity in capacities:
+            if curve is not None:
+                results.append({**curve[capacity], "distinct_blocks": distinct, "serving": args.serving,
+                                "load": args.load})
+                continue
+            policy, callbacks = _build_policy(args, name)
+            server = make_server(args.serving)
+            rep = Replay(trace, PrefixCache(capacity, policy), server, window_requests=args.window,
+                         callbacks=callbacks)
+            rep.run(progress=args.progress)
+            summary = summarize(rep.windows, policy=name, block_size=trace.block_size, timed=server.timed)
+            summary["oracle"] = policy.oracle
+            summary["distinct_blocks"] = distinct
+            summary["serving"] = args.serving
+            summary["load"] = args.load
+            summary["adaptive"] = bool(callbacks)
+            summary["params"] = policy.params
+            summary["decision_us_per_request"] = 1e6 * rep.wall_s / max(len(trace), 1)  # wall clock, not a metric
+            summary["method"] = "replay"
+            results.append(summary)
+    sweep = len(capacities) > 1
+    size = (f"{len(capacities)} capacities from {capacities[0]} to {capacities[-1]} blocks "
+            f"({capacities[0] / max(distinct, 1):.1%} to {capacities[-1] / max(distinct, 1):.1%})" if sweep else
+            f"capacity {capacities[0]} blocks ({capacities[0] / max(distinct, 1):.1%})")
+    print(f"{len(trace)} requests, {trace.n_blocks} prompt blocks, {distinct} distinct blocks, {size}, block size "
+          f"{trace.block_size}, serving {args.serving}")
+    print(("capacity".rjust(10) + "  " if sweep else "") + "policy".ljust(14)
+          + "".join(c[:12].rjust(13) for c in REPLAY_COLUMNS))
     for r in results:
-        print(r["policy"].ljust(14) + "".join(" " + _fmt(r[c]) for c in REPLAY_COLUMNS))
+        print((str(r["capacity_blocks"]).rjust(10) + "  " if sweep else "") + r["policy"].ljust(14)
+              + "".join(" " + _fmt(r[c]) for c in REPLAY_COLUMNS))
     if args.json:
         write_json(args.json, results[0] if len(results) == 1 else results)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
+
+
+def _lru_curve(args: argparse.Namespace, trace: Trace, name: str,
+               capacities: list[int]) -> dict[int, dict[str, Any]] | None:
+    """For a range of capacities, ``lru`` in instant mode from one pass (:mod:`sae_env.mrc`), as a summary per
+    capacity with the keys a replay's has (those a curve cannot give, misses after eviction and by type, are
+    None); None where separate replays run instead: one capacity, another policy, timed serving, an extension
+    that gives lru learners, or a trace the curve declines (said on stderr)."""
+    from sae_env.mrc import MissRatioCurve
+    from sae_env.policies.lru import LRUPolicy
+
+    if len(capacities) < 2 or name != "lru" or args.serving != "instant":
+        return None
+    policy, callbacks = _build_policy(args, name)
+    if type(policy) is not LRUPolicy or callbacks:
+        return None
+    t0 = time.perf_counter()
+    try:
+        curve = MissRatioCurve.build(trace)
+    except ValueError as e:
+        print(f"note: lru replayed at each capacity: {e}", file=sys.stderr)
+        return None
+    points = {c: curve.point(c) for c in capacities}
+    wall = time.perf_counter() - t0
+    print(f"lru: one pass (miss-ratio curve) for {len(capacities)} capacities in {wall:.3f} s", file=sys.stderr)
+    unknown = ("windows", "miss_after_eviction", "output_miss_after_eviction", "hit_rate_by_type",
+               "miss_after_eviction_by_type", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
+               "queue_mean_ms", "decision_us_per_request")
+    out = {}
+    for c, p in points.items():
+        figures = {k: v for k, v in p.to_dict().items() if k != "capacity"}
+        out[c] = {"policy": name, "capacity_blocks": c, "block_size": trace.block_size, **figures,
+                  **dict.fromkeys(unknown), "duration_s": float(trace.t[-1] - trace.t[0]), "oracle": False,
+                  "adaptive": False, "params": policy.params, "method": "curve"}
+    return out
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -513,7 +567,10 @@ def build_parser(extensions: Sequence[CliExtension] = (), prog: str | None = Non
     trace_args(r, positional=False)
     r.add_argument("--policy", default="lru", help="policy name or comma list (e.g. lru,lfu,belady)")
     r.add_argument("--capacity", default="0.1", help="blocks (int), fraction of distinct blocks (0.15), '15%%', "
-                   "or KV bytes ('2GiB', needs a serving preset)")
+                   "or KV bytes ('2GiB', needs a serving preset); or several: a range LO:HI[:N] (N capacities "
+                   "spaced geometrically from LO to HI, default 20; e.g. 1%%:40%%) or a comma list (1%%,5%%,10%%). "
+                   "Over several capacities lru in instant serving comes from one pass over the trace (its exact "
+                   "miss-ratio curve; no misses after eviction), every other policy from a replay per capacity")
     r.add_argument("--serving", default="instant", help="'instant' (no time passes) or a preset: "
                    "qwen2.5-1.5b@a40, qwen2.5-1.5b@h200")
     r.add_argument("--load", type=float, metavar="U", help="rescale arrivals to a target utilisation U of the "

@@ -50,8 +50,10 @@ except ImportError:  # pragma: no cover - exercised only where numba is not inst
     def _jit(f):
         return f
 
-__all__ = ["CurvePoint", "MissRatioCurve", "lru_curve"]
+__all__ = ["DEFAULT_POINTS", "CurvePoint", "MissRatioCurve", "capacity_range", "is_range", "lru_curve"]
 
+DEFAULT_POINTS = 20  # capacities in a range LO:HI given without a count
+MAX_POINTS = 10_000
 COLD = np.iinfo(np.int64).max  # the stack position of a key never referenced before: a miss at every capacity
 
 
@@ -258,3 +260,47 @@ def lru_curve(trace: Trace, capacities: Sequence[int], cache_outputs: bool = Tru
     """LRU's figures at each of ``capacities`` (blocks) from one pass: :meth:`MissRatioCurve.build` then
     :meth:`MissRatioCurve.at`."""
     return MissRatioCurve.build(trace, cache_outputs).at(capacities)
+
+
+def is_range(text: str) -> bool:
+    """Whether a capacity as given names several capacities (``LO:HI[:N]`` or a comma list)."""
+    return isinstance(text, str) and (":" in text or "," in text)
+
+
+def capacity_range(text: str, distinct_blocks: int, kv_bytes_per_token: int | None = None,
+                   block_size: int | None = None) -> list[int]:
+    """Capacities in blocks from ``LO:HI[:N]`` (N capacities spaced geometrically from LO to HI, both included,
+    default :data:`DEFAULT_POINTS`; whole blocks, duplicates after rounding dropped) or a comma list; each end or
+    item in any form :func:`~sae_env.cache.resolve_capacity` takes (``1%``, ``0.01``, ``128``, ``2GiB``).
+    ValueError naming the part that is wrong."""
+    from sae_env.cache import resolve_capacity
+
+    def one(part: str, what: str) -> int:
+        if not part.strip():
+            raise ValueError(f"capacity range {text!r}: the {what} is empty (e.g. 1%:40% or 1%:40%:20)")
+        try:
+            return resolve_capacity(part, distinct_blocks, kv_bytes_per_token, block_size)
+        except ValueError as e:
+            raise ValueError(f"capacity range {text!r}, {what} {part!r}: {e}") from None
+
+    if "," in text:
+        if ":" in text:
+            raise ValueError(f"capacity {text!r}: give a range LO:HI[:N] or a comma list, not both")
+        return sorted({one(p, "item") for p in text.split(",")})
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"capacity range {text!r} must be LO:HI or LO:HI:N (e.g. 1%:40% or 1%:40%:20)")
+    lo, hi = one(parts[0], "low end"), one(parts[1], "high end")
+    n = DEFAULT_POINTS
+    if len(parts) == 3:
+        try:
+            n = int(parts[2])
+        except ValueError:
+            n = 0
+        if not 2 <= n <= MAX_POINTS:
+            raise ValueError(f"capacity range {text!r}: the count N after the second ':' must be a whole number in "
+                             f"[2, {MAX_POINTS:,}], got {parts[2][:40]!r}")
+    if lo >= hi:
+        raise ValueError(f"capacity range {text!r}: the low end ({lo} blocks) must be below the high end ({hi} "
+                         "blocks)")
+    return sorted({int(round(c)) for c in np.geomspace(lo, hi, n)} | {lo, hi})

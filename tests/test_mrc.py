@@ -10,6 +10,8 @@ pinned), and on every embedded real trace.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from conftest import build_trace, flat_trace, prefix_traces, zipf_ids
@@ -151,3 +153,63 @@ def test_capacity_must_be_whole_blocks(capacity):
     curve = MissRatioCurve.build(flat_trace([1, 2, 1]))
     with pytest.raises(ValueError, match="whole number of blocks"):
         curve.point(capacity)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the command line: `train.py replay --capacity LO:HI[:N]`
+
+
+def test_replay_over_a_range_gives_each_capacity_what_a_replay_gives(tmp_path, capsys):
+    from sae_env.cli import main
+
+    out = tmp_path / "sweep.json"
+    assert main(["replay", "--trace", "bailian", "--policy", "lru,fifo", "--capacity", "2%:60%:4",
+                 "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "one pass (miss-ratio curve) for 4 capacities" in captured.err
+    rows = json.loads(out.read_text())
+    assert [r["policy"] for r in rows] == ["lru"] * 4 + ["fifo"] * 4
+    assert [r["method"] for r in rows] == ["curve"] * 4 + ["replay"] * 4
+    capacities = [r["capacity_blocks"] for r in rows[:4]]
+    assert capacities == sorted(capacities) and capacities == [r["capacity_blocks"] for r in rows[4:]]
+    for row in rows[:4]:  # each lru row equals `replay` at that one capacity
+        one = tmp_path / f"{row['capacity_blocks']}.json"
+        assert main(["replay", "--trace", "bailian", "--capacity", str(row["capacity_blocks"]),
+                     "--json", str(one)]) == 0
+        single = json.loads(one.read_text())
+        assert single["method"] == "replay"
+        for key in ("token_hit_rate", "block_hit_rate", "hit_tokens", "hit_blocks", "prompt_tokens", "evictions",
+                    "bypasses", "inserted", "capacity_blocks"):
+            assert row[key] == single[key], key
+
+
+def test_lru_with_timed_serving_over_a_range_replays_each_capacity(tmp_path, capsys):
+    from sae_env.cli import main
+
+    out = tmp_path / "timed.json"
+    assert main(["replay", "--trace", "bailian", "--capacity", "5%,20%", "--serving", "qwen2.5-1.5b@a40",
+                 "--json", str(out)]) == 0
+    assert "one pass" not in capsys.readouterr().err
+    rows = json.loads(out.read_text())
+    assert [r["method"] for r in rows] == ["replay", "replay"] and all(r["ttft_mean_ms"] for r in rows)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["replay", "--capacity", "40%:1%"], "the low end ("),
+    (["replay", "--capacity", "1%:40%:1"], "the count N after the second ':' must be a whole number in [2,"),
+    (["replay", "--capacity", "1%:40%:x"], "the count N"),
+    (["replay", "--capacity", "1%:"], "the high end is empty"),
+    (["replay", "--capacity", "1:2:3:4"], "must be LO:HI or LO:HI:N"),
+    (["replay", "--capacity", "1%:lots"], "high end 'lots'"),
+    (["replay", "--capacity", "1,2:3"], "not both"),
+    (["replay", "--capacity", "1:1000000000"], "more than 100x"),
+    (["replay", "--capacity", "1%:2GiB"], "needs the model's KV bytes"),
+    (["explain", "--policy", "lfu", "--capacity", "1%:4%"], "give one capacity here"),
+])
+def test_bad_ranges_exit_2_with_one_clear_line(argv, message, capsys):
+    from sae_env.cli import main
+
+    assert main([argv[0], "--trace", "bailian", *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len([x for x in err.splitlines() if x.startswith("error:")]) == 1
+    assert "Traceback" not in err
