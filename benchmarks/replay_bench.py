@@ -16,7 +16,12 @@ are measured and labelled; "default" is what a user gets without asking.
    compiled policy on each engine and for ``saecache`` (Python engine only), with the floor of any engine that keeps
    its blocks and ghosts in Python dicts: one dict entry plus the key's int object, per block and per ghost.
 
-The last line is ``lru_vs_libcachesim=<ratio>`` (the default engine). Machines here are noisy: compare ratios, not
+4. LRU's miss-ratio curve (:mod:`sae_env.mrc`) at 20 capacities (1 % to 40 % of the distinct blocks, spaced
+   geometrically, as ``train.py replay --capacity 1%:40%``) from one pass over an embedded real trace, against 20
+   separate ``lru`` replays (default engine) of the same trace; hits checked equal at every capacity.
+
+The last lines are ``lru_vs_libcachesim=<ratio>`` (the default engine) and ``mrc_vs_replays=<ratio>`` (seconds of
+the one-pass curve over seconds of the 20 replays: lower is better). Machines here are noisy: compare ratios, not
 absolute figures.
 
     python benchmarks/replay_bench.py [--requests 1000000] [--objects 1000000] [--cache 0.1]
@@ -150,6 +155,33 @@ def warm_up() -> float:
     return time.perf_counter() - t0
 
 
+def mrc_vs_replays(trace_name: str, points: int = 20) -> float:
+    """Seconds for LRU's one-pass curve at ``points`` capacities over seconds for as many separate lru replays
+    (default engine), on one embedded trace; prints both and checks that their hits agree."""
+    from sae_env.mrc import MissRatioCurve, capacity_range
+    from sae_env.sources import open_trace
+
+    trace, _ = open_trace(trace_name)
+    capacities = capacity_range(f"1%:40%:{points}", trace.distinct_blocks())
+    MissRatioCurve.build(trace[:10]).point(1)  # compiled (or loaded from numba's cache) outside the timing
+    t0 = time.perf_counter()
+    curve = MissRatioCurve.build(trace)
+    hits = [curve.point(c).hit_blocks for c in capacities]
+    dt_curve = time.perf_counter() - t0
+    dt_replays, replayed = 0.0, []
+    for c in capacities:
+        t, h, _ = ours(trace, "lru", c)
+        dt_replays += t
+        replayed.append(h)
+    print(f"miss-ratio curve, {trace_name}: {len(trace):,} requests, {trace.n_blocks:,} block refs, "
+          f"{len(capacities)} capacities {capacities[0]:,}..{capacities[-1]:,} blocks (1%..40% of "
+          f"{trace.distinct_blocks():,} distinct, geometric)")
+    print(f"  one pass         {dt_curve:8.3f} s")
+    print(f"  {len(capacities)} lru replays   {dt_replays:8.3f} s   "
+          f"{'(hits agree at every capacity)' if hits == replayed else '(HITS DIFFER)'}")
+    return dt_curve / dt_replays
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1_000_000)
@@ -158,6 +190,7 @@ def main() -> None:
     ap.add_argument("--cache", type=float, default=0.1, help="cache size as a fraction of the objects")
     ap.add_argument("--prefix-trace", default="synthetic", help="source for part 2 (default: synthetic preset)")
     ap.add_argument("--memory-capacity", type=int, default=200_000, help="cache size (blocks) for part 3")
+    ap.add_argument("--mrc-trace", default="taubench", help="embedded trace for part 4 (default: taubench)")
     args = ap.parse_args()
 
     if fast_engine.AVAILABLE:
@@ -210,7 +243,9 @@ def main() -> None:
     print(f"  saecache python engine   {bytes_per_block_python('saecache', mc):6.0f} bytes")
     print(f"  floor of a Python-dict engine: {bytes_per_dict_entry(mc):.0f} bytes per dict entry with its int key, "
           "once for the block table and once for the ghost record")
+    mrc = mrc_vs_replays(args.mrc_trace)
     print(f"lru_vs_libcachesim={(ids.size / dt) / (ids.size / dt_ref):.3f}")
+    print(f"mrc_vs_replays={mrc:.3f}")
 
 
 if __name__ == "__main__":
