@@ -118,7 +118,7 @@ def bytes_per_block_python(policy: str, capacity: int) -> float:
     rep.run()
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    return used / len(rep.cache)
+    return used / len(rep.to_python())
 
 
 def bytes_per_dict_entry(n: int) -> float:
@@ -139,11 +139,11 @@ def bytes_per_block_fast(policy: str, capacity: int) -> tuple[float, float]:
     trace = prompts_of_four(capacity)
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    engine = fast_engine.FastEngine.build(trace, PrefixCache(capacity, make_policy(policy)))
-    engine.run_window(0, len(trace))
+    rep = Replay(trace, PrefixCache(capacity, make_policy(policy)), window_requests=len(trace), engine="fast")
+    rep.run()
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    return used / len(engine), engine.nbytes / len(engine)
+    return used / rep.occupancy, rep.engine_nbytes / rep.occupancy
 
 
 def warm_up() -> float:

@@ -28,9 +28,11 @@ An optional :class:`CacheObserver` (``cache.observer``) hears every run of missi
 eviction, with the blocks themselves: :mod:`sae_env.explain` uses it to say why each miss happened. Without one the
 loop is the same (one test per run of insertions and per eviction); the compiled engine refuses a cache with one.
 
-:mod:`sae_env.fast_engine` is a compiled copy of :meth:`PrefixCache.serve` with the ``lru`` / ``lfu`` / ``fifo`` /
-``s3fifo`` hooks inlined, which the replay uses by itself in instant mode; a change to the semantics here must be
-made there too (``tests/test_fast_engine.py`` compares the two field for field).
+:mod:`sae_env.fast_engine.loop` is the same loop compiled (``admit`` and ``complete``, with a policy's compiled
+hooks inlined), which the replay uses by itself wherever it applies; a change to the semantics here must be made
+there too (``tests/test_fast_engine.py`` compares the two field for field, every policy, instant and timed).
+:meth:`PrefixCache.serve` is a second, faster instant-mode loop for the Python engine (one pass fewer per hit
+block); ``tests/test_cache.py`` checks it against ``admit`` then ``complete`` for every policy.
 """
 
 from __future__ import annotations

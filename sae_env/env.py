@@ -408,8 +408,8 @@ class PrefixCacheEnv(gym.Env):
     def _render_ansi(self) -> str:
         if self.replay is None:
             return f"PrefixCacheEnv({self.policy_name}): not reset\n"
-        # From the last window's statistics, not the replay's cache: reading that would hand the compiled
-        # engine's state over to the Python objects (sae_env.replay) and so change how the replay goes on.
+        # From the last window's statistics, not the replay's cache: the compiled engine may hold the state, and
+        # only an explicit Replay.to_python() moves it to the Python objects.
         w = self.last_stats
         occupancy = w.occupancy if w is not None else 0
         lines = [f"PrefixCacheEnv | policy {self.policy_name} | step {self._steps} | requests "

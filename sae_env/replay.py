@@ -13,11 +13,13 @@ In ``instant`` mode no time passes: each request completes at its arrival (outpu
 the next one arrives; TTFT is not defined. Time is the trace clock only; ``wall_s`` (decision overhead) is measured
 separately and never enters the statistics. No gymnasium here: :mod:`sae_env.env` adapts this loop.
 
-Two engines run the instant loop with identical results: the generic Python one (any policy, any hooks) and a
-compiled one for the baselines ``lru``, ``lfu``, ``fifo`` and ``s3fifo`` (:mod:`sae_env.fast_engine`, needs
-numba). ``engine="auto"`` (the default) takes the compiled one whenever it applies; ``"python"`` and ``"fast"``
-force one. While the compiled engine holds the cache state, reading :attr:`Replay.cache` hands the state over to
-the Python objects and the replay continues on the Python engine (so whatever the caller does with it counts).
+Two engines run the loop with identical results: the generic Python one (any policy, any hooks, the readable
+reference) and a compiled one (:mod:`sae_env.fast_engine`, needs numba) for every policy with a compiled twin, in
+instant and timed mode. ``engine="auto"`` (the default) takes the compiled one whenever it applies; ``"python"`` and
+``"fast"`` force one. The state moves between them only when asked, after any window: :meth:`Replay.to_python`
+writes the compiled state into the Python cache and policy (the replay goes on on the Python engine; e.g. to inspect
+``replay.cache.blocks``), :meth:`Replay.to_fast` takes it back. While the compiled engine holds the state,
+:attr:`Replay.cache` refuses to give the (stale) Python cache.
 """
 
 from __future__ import annotations
@@ -95,37 +97,79 @@ class Replay:
         self._has_ctx = self.policy.overrides("on_request")
         self._has_done = self.policy.overrides("on_complete")
         self.policy.bind(trace)
-        self._fast: fast_engine.FastEngine | None = None
+        self._fast: fast_engine.FastEngine | None = None  # holds the state while set
+        self._engine: fast_engine.FastEngine | None = None  # built once, kept for to_fast
+        self.fast_reason: str | None = None  # why the compiled engine cannot run this replay (None: it can)
+        self.ran_on: str | None = None  # replay(): the engine that ran it (its state is on the Python objects now)
         if engine != "python":
-            why = self._why_not_fast()
-            if why is None:
-                self._fast = fast_engine.FastEngine.build(trace, cache)
-                if self._fast is None:
-                    why = "a request of the trace names one key twice"
-            if why is not None and engine == "fast":
-                raise ValueError(f"engine='fast' cannot run this replay: {why}")
+            self.to_fast(required=engine == "fast")
 
-    def _why_not_fast(self) -> str | None:
-        if self.server is not None:
-            return "the compiled engine serves instant mode only (this replay has a timed server)"
-        if self.check:
-            return "check=True needs the Python cache after every request"
-        return fast_engine.unsupported_reason(self._cache)
-
-    # -- public --------------------------------------------------------------------------------------------
+    # -- engines -------------------------------------------------------------------------------------------
     @property
     def engine(self) -> str:
         """The engine that replays the next window: ``"fast"`` (compiled) or ``"python"``."""
         return "fast" if self._fast is not None else "python"
 
-    @property
-    def cache(self) -> PrefixCache:
-        """The cache, with its current state: if the compiled engine holds the state, it is handed over to the
-        Python objects here and the rest of the replay runs on the Python engine."""
+    def to_python(self) -> PrefixCache:
+        """Hand the state to the Python engine (if the compiled one holds it) and return the cache: the rest of the
+        replay runs on the Python engine until :meth:`to_fast`."""
         if self._fast is not None:
-            self._fast.hand_over(self._cache)
+            timed = self._fast.save(self._cache)
+            if timed is not None:
+                self.server.import_state(timed.server)
+                self._inflight = timed.inflight
+                self._events = timed.events
+                heapq.heapify(self._events)
+            self.policy.watch_params(None)
             self._fast = None
         return self._cache
+
+    def to_fast(self, required: bool = False) -> bool:
+        """Hand the state to the compiled engine where it can run this replay; returns whether it holds the state
+        now. ``required``: raise ValueError saying why it cannot."""
+        if self._fast is None:
+            why = self._why_not_fast()
+            if why is None and self._engine is None:
+                self._engine, why = fast_engine.FastEngine.build(self.trace, self._cache, self.server)
+            if why is None:
+                timed = None
+                if self.server is not None:
+                    timed = fast_engine.TimedState(self.server.export_state(), self._inflight, self._events)
+                self._engine.load(self._cache, timed)
+                self._fast = self._engine
+                self.policy.watch_params(self._fast.twin.params_changed)
+            self.fast_reason = why
+            if why is not None and required:
+                raise ValueError(f"engine='fast' cannot run this replay: {why}")
+        return self._fast is not None
+
+    def _why_not_fast(self) -> str | None:
+        if self.check:
+            return "check=True needs the Python cache after every request"
+        return fast_engine.unsupported_reason(self._cache, self.server)
+
+    # -- public --------------------------------------------------------------------------------------------
+    @property
+    def cache(self) -> PrefixCache:
+        """The cache, while the Python engine holds the state (:meth:`to_python` hands it over)."""
+        if self._fast is not None:
+            raise RuntimeError("the compiled engine holds the cache state: call replay.to_python() to hand it to "
+                               "the Python cache (the replay then goes on on the Python engine)")
+        return self._cache
+
+    @property
+    def capacity(self) -> int:
+        return self._cache.capacity
+
+    @property
+    def engine_nbytes(self) -> int | None:
+        """Bytes of the compiled engine's cache state while it holds the state (None otherwise)."""
+        return None if self._fast is None else self._fast.nbytes
+
+    @property
+    def occupancy(self) -> int:
+        """Blocks cached now, on either engine."""
+        return len(self._fast) if self._fast is not None else len(self._cache)
 
     @property
     def done(self) -> bool:
@@ -159,7 +203,10 @@ class Replay:
         start = time.perf_counter()
         if self._fast is not None:
             fast = self._fast
-            hits, c = fast.run_window(a, b)  # an array: _stats turns it into the list WindowStats keeps
+            # hits: an array, which _stats turns into the list WindowStats keeps
+            hits, c, ttft, queue = fast.run_window(a, b)
+            self._pending_ttft.extend(ttft)
+            self._pending_queue.extend(queue)
             counts = (c.evictions, c.bypasses, c.inserted, c.mae_by_type, c.mae_output, fast.occupancy_by_type,
                       len(fast))
             mae_by_queue, by_queue = c.mae_by_queue, fast.occupancy_by_queue()
@@ -168,7 +215,7 @@ class Replay:
             cache.reset_counters()
             hits = self._replay_timed(a, b) if self.server is not None else self._replay_instant(a, b)
         self.next_request = b
-        if self.done and self.server is not None:
+        if self.done and self.server is not None and self._fast is None:
             self._finish()
         self.wall_s += time.perf_counter() - start
         if self._fast is None:
@@ -318,12 +365,15 @@ class Replay:
             app_mix=np.bincount(tr.app[a:b], minlength=N_APP_TYPES).tolist(), occupancy=occupancy,
             capacity=self._cache.capacity, occupancy_by_queue=occupancy_by_queue,
             occupancy_by_type=occupancy_by_type,
-            ttft_ms=ttft, queue_ms=queue, hits_per_request=hits, policy=self.policy.window_stats())
+            ttft_ms=ttft, queue_ms=queue, hits_per_request=hits,
+            policy=self._fast.window_stats() if self._fast is not None else self.policy.window_stats())
 
 
 def replay(trace: Trace, policy: EvictionPolicy, capacity: int, server: Server | None = None,
            **kwargs: Any) -> Replay:
-    """Build a cache for ``policy`` and replay the whole trace; returns the finished :class:`Replay`.
+    """Build a cache for ``policy`` and replay the whole trace; returns the finished :class:`Replay`, its final state
+    on the Python objects (``replay.cache``, ``policy``), wherever it ran: a finished replay is inspected, not
+    continued (use :class:`Replay` to keep the compiled state, e.g. for speed on large caches).
 
     ``ghost_capacity`` and ``cache_outputs`` go to :class:`PrefixCache`, ``progress`` to :meth:`Replay.run`, the
     rest (windows, callbacks, ``check``, ``engine``) to :class:`Replay`.
@@ -332,4 +382,7 @@ def replay(trace: Trace, policy: EvictionPolicy, capacity: int, server: Server |
     progress = kwargs.pop("progress", False)
     r = Replay(trace, PrefixCache(capacity, policy, **cache_kw), server, **kwargs)
     r.run(progress=progress)
+    engine = r.engine
+    r.to_python()
+    r.ran_on = engine
     return r

@@ -45,7 +45,7 @@ def tiny():
 def callback_form(env, learner: SAEOnlineLearner) -> tuple[Replay, dict]:
     """The replay-callback form of the learner on the env's current episode."""
     policy = make_policy("saecache", **env.policy_options)
-    rep = Replay(env.trace, PrefixCache(env.replay.cache.capacity, policy), make_server(env.serving),
+    rep = Replay(env.trace, PrefixCache(env.replay.capacity, policy), make_server(env.serving),
                  window_requests=env.window_requests, window_seconds=env.window_seconds,
                  callbacks=[learner.callback()])
     rep.run()
@@ -53,7 +53,7 @@ def callback_form(env, learner: SAEOnlineLearner) -> tuple[Replay, dict]:
 
 
 def plain(env) -> Replay:
-    rep = Replay(env.trace, PrefixCache(env.replay.cache.capacity, make_policy(env.policy_name, **env.policy_options)),
+    rep = Replay(env.trace, PrefixCache(env.replay.capacity, make_policy(env.policy_name, **env.policy_options)),
                  make_server(env.serving), window_requests=env.window_requests, window_seconds=env.window_seconds)
     rep.run()
     return rep
@@ -147,7 +147,7 @@ def test_fixed_sets_exact_values(tiny, tmp_path):
         assert {k: w.policy["params"][k] for k in values} == values
         assert w.policy["params"]["alpha_ch"] == env.default_params["alpha_ch"]
     # the same through a plain replay built with these parameters
-    ref = Replay(env.trace, PrefixCache(env.replay.cache.capacity, make_policy("saecache", params=values)),
+    ref = Replay(env.trace, PrefixCache(env.replay.capacity, make_policy("saecache", params=values)),
                  window_requests=10)
     ref.run()
     assert env.replay.windows == ref.windows
@@ -193,7 +193,7 @@ def test_evaluate_history_and_summary(tiny):
     result = evaluate(FixedAgent({"gamma": 2.0}), config, seed=0)
     env = make_env(config)
     env.reset(seed=0)
-    ref = Replay(env.trace, PrefixCache(env.replay.cache.capacity, make_policy("saecache", params={"gamma": 2.0})),
+    ref = Replay(env.trace, PrefixCache(env.replay.capacity, make_policy("saecache", params={"gamma": 2.0})),
                  make_server(SERVER), window_requests=10)
     ref.run()
     expected = summarize(ref.windows, policy="saecache", block_size=tiny.block_size, timed=True)

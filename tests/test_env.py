@@ -55,7 +55,7 @@ def rollout(env: PrefixCacheEnv, seed: int | None = 0, action=None, options=None
 def plain_replay(env: PrefixCacheEnv) -> Replay:
     """A plain Replay of the env's current episode (same trace, policy, capacity, window, server)."""
     policy = make_policy(env.policy_name, **env.policy_options)
-    rep = Replay(env.trace, PrefixCache(env.replay.cache.capacity, policy), make_server(env.serving),
+    rep = Replay(env.trace, PrefixCache(env.replay.capacity, policy), make_server(env.serving),
                  window_requests=env.window_requests, window_seconds=env.window_seconds)
     rep.run()
     return rep

@@ -92,9 +92,9 @@ def test_shared_head_outlives_fresher_one_off_blocks():
     r = replay(tr, pol, 6, window_requests=1, check=True)
     assert [w.hit_blocks for w in r.windows] == [0, 2, 0, 0, 0, 2]
     assert hits(tr, make_policy("lru"), 6) == [0, 2, 0, 0, 0, 0]  # LRU evicted the head at t = 3.5
-    head = [r.cache.blocks[k] for k in tr.prompt_blocks(5)[0][:2].tolist()]
+    head = [r.to_python().blocks[k] for k in tr.prompt_blocks(5)[0][:2].tolist()]
     assert all(b.pdata[1] is SHARED for b in head)
-    own = r.cache.blocks[int(tr.prompt_blocks(5)[0][2])]
+    own = r.to_python().blocks[int(tr.prompt_blocks(5)[0][2])]
     assert own.pdata[1] == 4  # the request's own block carries its session
 
 
@@ -135,7 +135,7 @@ def test_invariants_instant(predictor, trace, capacity, scale):
     r = replay(trace, pol, capacity, window_requests=3, check=True)
     assert all(w.occupancy <= capacity for w in r.windows)
     pol.set_params({"tau_scale": 1.0, "p_shared": 0.6})  # re-keys the heap
-    r.cache.check_invariants()
+    r.to_python().check_invariants()
     live = [(k, seq, b) for k, seq, b in pol._heap if b.stamp == seq]
     assert all(k == pol.priority(b, 0.0) for k, _, b in live)
 
@@ -146,7 +146,7 @@ def test_invariants_instant(predictor, trace, capacity, scale):
 def test_invariants_timed(predictor, trace, capacity):
     r = replay(trace, LPCPolicy(predictor=predictor), capacity, server=make_server("qwen2.5-1.5b@a40"),
                window_requests=1, check=True)
-    assert all(b.pins == 0 for b in r.cache.blocks.values())
+    assert all(b.pins == 0 for b in r.to_python().blocks.values())
 
 
 def test_online_continuation_rate_and_time_scale():
@@ -219,7 +219,7 @@ def test_outputs_inserted_late_carry_their_own_session():
     r = replay(tr, make_policy("lpc", predictor=stub), 100, server=make_server("qwen2.5-1.5b@a40"), check=True)
     for i, p in ((0, 0.9), (1, 0.2)):
         for k in np.concatenate([tr.prompt_blocks(i)[0], tr.output_blocks(i)[0]]).tolist():
-            d = r.cache.blocks[k].pdata
+            d = r.to_python().blocks[k].pdata
             assert d[1] == i and d[0] == pytest.approx(np.log(p / (1 - p))), (i, k)
 
 

@@ -44,7 +44,7 @@ def assert_matches(r: Replay, ref) -> None:
     assert [w.inserted for w in r.windows] == [c.inserted for c in ref.counters]
     assert ([w.miss_after_eviction_by_type for w in r.windows]
             == [c.miss_after_eviction for c in ref.counters])
-    assert set(r.cache.blocks) == ref.cached
+    assert set(r.to_python().blocks) == ref.cached
 
 
 def guard_evict(policy: EvictionPolicy) -> EvictionPolicy:
@@ -95,7 +95,7 @@ def test_compiled_engine_matches_reference(name, trace, capacity, ghosts):
 def test_instant_matches_reference_small_ghost_record(name, trace, capacity, ghosts):
     r = engine(trace, name, capacity, ghost_capacity=ghosts)
     assert_matches(r, reference_replay_instant(trace, name, capacity, ghost_capacity=ghosts))
-    assert len(r.cache.ghosts) <= ghosts
+    assert len(r.to_python().ghosts) <= ghosts
 
 
 @pytest.mark.parametrize("name", DIFF)
@@ -127,7 +127,7 @@ def test_reference_and_engine_agree_on_a_hand_example():
     assert [w.hit_blocks for w in r.windows] == [0, 0, 2]
     assert [w.evictions for w in r.windows] == [0, 1, 1]
     assert reference_replay_instant(trace, "lru", 3).hits == [0, 0, 2]
-    assert set(r.cache.blocks) == set(trace.prompt_blocks(2)[0].tolist())
+    assert set(r.to_python().blocks) == set(trace.prompt_blocks(2)[0].tolist())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def test_s3fifo_matches_classic_s3fifo(compiled, ids, capacity):
     hits, evictions, queue = s3fifo_reference(ids, capacity)
     assert [w.hit_blocks for w in r.windows] == hits
     assert sum(w.evictions for w in r.windows) == evictions
-    assert {k: b.queue for k, b in r.cache.blocks.items()} == queue
+    assert {k: b.queue for k, b in r.to_python().blocks.items()} == queue
 
 
 def test_s3fifo_evicts_when_every_block_is_evictable():
@@ -166,7 +166,7 @@ def test_s3fifo_queues_on_a_hand_example():
     r = engine(flat_trace(ids), "s3fifo", 10)
     hits, _, queue = s3fifo_reference(ids, 10)
     assert [w.hit_blocks for w in r.windows] == hits == [0] * 10 + [1, 1, 1, 0, 0, 0]
-    assert {k: b.queue for k, b in r.cache.blocks.items()} == queue
+    assert {k: b.queue for k, b in r.to_python().blocks.items()} == queue
     assert queue[4] == 1  # 4 was evicted from S (to the ghost), so its return goes to M
 
 
@@ -281,7 +281,7 @@ def test_instant_invariants_and_forced_bypasses(name, trace, capacity, cache_out
         assert w.bypasses == forced, f"request {i}"
         assert w.occupancy <= capacity
         assert 0 <= w.hit_blocks <= w.prompt_blocks
-    assert len(r.cache) == sum(w.inserted - w.evictions for w in r.windows)
+    assert len(r.to_python()) == sum(w.inserted - w.evictions for w in r.windows)
 
 
 @pytest.mark.parametrize("name", policy_names())
@@ -291,8 +291,8 @@ def test_timed_invariants(name, trace, capacity):
     policy = guard_evict(make_policy(name))
     r = replay(trace, policy, capacity, server=make_server(SERVER), window_requests=1, check=True)
     assert all(w.occupancy <= capacity for w in r.windows)
-    assert len(r.cache) == sum(w.inserted - w.evictions for w in r.windows)
-    assert all(b.pins == 0 for b in r.cache.blocks.values())  # every request completed and released its blocks
+    assert len(r.to_python()) == sum(w.inserted - w.evictions for w in r.windows)
+    assert all(b.pins == 0 for b in r.to_python().blocks.values())  # every request completed and released its blocks
     assert sum(len(w.ttft_ms) for w in r.windows) == len(trace)
 
 

@@ -49,7 +49,7 @@ def test_timed_matches_reference(name, trace, capacity):
     assert [w.inserted for w in r.windows] == [c.inserted for c in ref.counters]
     assert [w.ttft_ms for w in r.windows] == ref.ttft_windows
     assert ttfts(r) == [ref.ttft_ms[i] for i in range(len(trace))]  # emitted in arrival order
-    assert set(r.cache.blocks) == ref.cached
+    assert set(r.to_python().blocks) == ref.cached
 
 
 def test_timed_overlap_pins_blocks_and_bypasses():
@@ -88,7 +88,7 @@ def test_belady_timed_with_prompts_shorter_than_a_block():
     prompt arrays at (1, depth 0), which do not exist."""
     trace = build_trace([[], []], [[1], [1]], times=[0.0, 0.001], out_extra=[20, 20])
     r = timed(trace, "belady", 4)
-    assert [w.hit_blocks for w in r.windows] == [0, 0] and len(r.cache) == 1
+    assert [w.hit_blocks for w in r.windows] == [0, 0] and len(r.to_python()) == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def test_window_sums_equal_whole_run_totals(mode, name, trace, capacity, window)
     for k in SUM_KEYS:
         assert a[k] == b[k], k
     assert sum(w.requests for w in parts.windows) == len(trace)
-    assert parts.windows[-1].occupancy == whole.windows[-1].occupancy == len(whole.cache)
+    assert parts.windows[-1].occupancy == whole.windows[-1].occupancy == len(whole.to_python())
     for field in ("refs_by_type", "hits_by_type", "refs_by_offset", "hits_by_offset", "app_mix"):
         assert np.sum([getattr(w, field) for w in parts.windows], axis=0).tolist() == getattr(whole.windows[0], field)
     assert [w.index for w in parts.windows] == list(range(len(parts.windows)))

@@ -235,7 +235,7 @@ def assert_same_as_lru(trace: Trace, capacity: int, timed: bool = False) -> None
     assert [w.evictions for w in r.windows] == [w.evictions for w in ref.windows]
     assert [w.bypasses for w in r.windows] == [w.bypasses for w in ref.windows]
     assert a.victims == ref_victims
-    assert set(r.cache.blocks) == set(ref.cache.blocks)
+    assert set(r.to_python().blocks) == set(ref.cache.blocks)
 
 
 @settings(max_examples=60, deadline=None)
@@ -415,7 +415,7 @@ def test_invariants_timed(trace, capacity, switches, predictor, sample):
     test_temporal_groups_pick_the_exact_victim_timed_*)."""
     r, _ = run(trace, capacity, timed=True, **options(switches, predictor, sample))
     assert sum(w.requests for w in r.windows) == len(trace)
-    assert all(b.pins == 0 for b in r.cache.blocks.values())
+    assert all(b.pins == 0 for b in r.to_python().blocks.values())
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -695,7 +695,7 @@ def test_window_stats_queue_counts():
         assert {q: n for q, n in enumerate(occ) if n} == w.occupancy_by_queue
         assert sum(w.policy["queue_hits"]) >= w.hit_blocks
     counts = {}
-    for b in r.cache.blocks.values():
+    for b in r.to_python().blocks.values():
         counts[b.queue] = counts.get(b.queue, 0) + 1
     assert counts == r.policy.occupancy_by_queue()
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -68,6 +69,7 @@ class EvictionPolicy:
     def __init__(self) -> None:
         self.cache: BlockTable | None = None
         self._params: dict[str, float] = {p.name: p.default for p in self.param_specs}
+        self._params_watcher: Callable[[], None] | None = None
 
     # -- wiring --------------------------------------------------------------------------------------------
     def attach(self, cache: BlockTable) -> None:
@@ -139,10 +141,17 @@ class EvictionPolicy:
             fixed += c != v
             self._params[name] = c
         self.params_changed()
+        if self._params_watcher is not None:
+            self._params_watcher()
         return fixed
 
     def params_changed(self) -> None:
         """Called after :meth:`set_params`; policies refresh derived values here."""
+
+    def watch_params(self, callback: Callable[[], None] | None) -> None:
+        """Have ``callback()`` called after every :meth:`set_params` (None: stop). The compiled engine follows
+        parameter changes this way while it holds the policy's state."""
+        self._params_watcher = callback
 
     # -- reporting -----------------------------------------------------------------------------------------
     def window_stats(self) -> dict[str, Any]:
@@ -158,6 +167,34 @@ class EvictionPolicy:
 
     def check_invariants(self) -> None:
         """Raise RuntimeError if the policy's structures disagree with the cache (tests call this)."""
+
+    # -- the state contract (sae_env.state) ----------------------------------------------------------------
+    def export_state(self, index: dict[int, int]) -> dict[str, Any]:
+        """The policy's state as flat arrays and numbers; a block is named by its position ``index[key]`` in the
+        cache's exported block order. Policies that run on the compiled engine implement it (and
+        :meth:`import_state`); the engine reads and writes nothing else of theirs."""
+        raise NotImplementedError(f"policy {self.name!r} does not export its state")
+
+    def import_state(self, state: dict[str, Any], blocks: list[Block]) -> None:
+        """Take back a state written by :meth:`export_state` (or by the compiled engine) for a cache whose blocks,
+        in position order, are ``blocks``; the policy must be fresh (attached, bound, no block seen)."""
+        raise NotImplementedError(f"policy {self.name!r} does not import a state")
+
+
+def block_array(blocks: Any, index: dict[int, int], value: Any, dtype: Any = np.int64,
+                default: Any = 0) -> np.ndarray:
+    """One number per block, in position order: ``value(block)`` (``default`` where it gives None)."""
+    out = np.full(len(index), default, dtype=dtype)
+    for b in blocks:
+        v = value(b)
+        if v is not None:
+            out[index[b.key]] = v
+    return out
+
+
+def positions(blocks: Any, index: dict[int, int]) -> np.ndarray:
+    """The positions of ``blocks`` (an iterable of blocks), in its order."""
+    return np.fromiter((index[b.key] for b in blocks), dtype=np.int64)
 
 
 class KeyedPolicy(EvictionPolicy):
@@ -202,6 +239,34 @@ class KeyedPolicy(EvictionPolicy):
                 b.stamp = 0
                 return b
         return None
+
+    # Every block with a stamp is in the heap under that stamp (and only those are live), so the heap is the stamps:
+    # the state is each block's stamp, the push counter and whatever the priority is computed from
+    # (:meth:`export_pdata` / :meth:`import_pdata`); the priorities are recomputed on import, as keys were fixed when
+    # the blocks became evictable from data that has not changed since.
+    def export_state(self, index: dict[int, int]) -> dict[str, Any]:
+        blocks = self.cache.blocks.values()
+        return {"stamp": block_array(blocks, index, lambda b: b.stamp), "seq": self._seq,
+                **self.export_pdata(index)}
+
+    def import_state(self, state: dict[str, Any], blocks: list[Block]) -> None:
+        self._seq = int(state["seq"])
+        self.import_pdata(state, blocks)
+        heap = []
+        for b, stamp in zip(blocks, state["stamp"].tolist(), strict=True):
+            b.stamp = stamp
+        for b in blocks:
+            if b.stamp:
+                heap.append((self.priority(b, b.last_access), b.stamp, b))
+        heapq.heapify(heap)
+        self._heap = heap
+
+    def export_pdata(self, index: dict[int, int]) -> dict[str, Any]:
+        """The per-block data (``Block.pdata``) and counters the priority needs, as arrays and numbers."""
+        raise NotImplementedError(f"policy {self.name!r} does not export its state")
+
+    def import_pdata(self, state: dict[str, Any], blocks: list[Block]) -> None:
+        raise NotImplementedError(f"policy {self.name!r} does not import a state")
 
     def check_invariants(self) -> None:
         live = {b.stamp for b in self.cache.blocks.values() if b.stamp}

@@ -18,10 +18,12 @@ classic MIN on the block reference stream.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from sae_env.block import Block
-from sae_env.policies.base import KeyedPolicy
+from sae_env.policies.base import KeyedPolicy, block_array
 from sae_env.trace import Trace
 
 NEVER = np.iinfo(np.int64).max
@@ -33,9 +35,21 @@ def next_uses(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     Occurrences are the prompt blocks (positions ``0 .. n_blocks-1``) followed by the output blocks. ``occ_req[j]``
     is the request of occurrence ``j``; ``next_occ[j]`` the first *prompt* occurrence of the same key in a *later*
     request (-1 if none): only a prompt reference can hit, so only a prompt reference is a use. An output
-    occurrence is a source (the block it inserts or shares needs a next use) but never a target. One stable sort by
-    (key, request, prompt before output).
+    occurrence is a source (the block it inserts or shares needs a next use) but never a target. With numba, one
+    compiled backward pass over the requests (:func:`sae_env.fast_engine.keys.next_prompt_uses`); without, one
+    stable sort by (key, request, prompt before output) (:func:`next_uses_sorted`; the two agree, tested).
     """
+    from sae_env.fast_engine import AVAILABLE
+
+    if AVAILABLE:
+        from sae_env.fast_engine.keys import next_prompt_uses
+
+        return next_prompt_uses(trace)
+    return next_uses_sorted(trace)
+
+
+def next_uses_sorted(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`next_uses` by sorting (numpy only)."""
     n = len(trace)
     keys = np.concatenate([trace.prompt_keys, trace.output_keys])
     req = np.concatenate([np.repeat(np.arange(n, dtype=np.int64), np.diff(trace.prompt_offsets)),
@@ -77,6 +91,7 @@ class BeladyPolicy(KeyedPolicy):
         self._cur_output: list[int] = []
         self._cur_n_prompt = 0
         self._frontier = -1  # the latest request admitted: a "next use" must lie after it
+        self._context_of = -1  # the request whose hooks are running (its arrival or its completion)
 
     def bind(self, trace: Trace) -> None:
         self._trace = trace
@@ -86,6 +101,7 @@ class BeladyPolicy(KeyedPolicy):
     def _context(self, trace: Trace, i: int) -> None:
         if trace is not self._trace:
             raise RuntimeError("belady: bind() was called with a different trace than the one being replayed")
+        self._context_of = i
         a, b = trace.prompt_offsets[i], trace.prompt_offsets[i + 1]
         self._cur_prompt_at = int(a)
         self._cur_prompt = self._next_req[a:b].tolist()
@@ -126,3 +142,22 @@ class BeladyPolicy(KeyedPolicy):
 
     def priority(self, block: Block, now: float) -> tuple[int, int]:
         return (-block.pdata, -block.depth)
+
+    def export_pdata(self, index: dict[int, int]) -> dict[str, Any]:
+        return {"next_use": block_array(self.cache.blocks.values(), index, lambda b: b.pdata), **self.export_context()}
+
+    def import_pdata(self, state: dict[str, Any], blocks: list[Block]) -> None:
+        for b, nu in zip(blocks, state["next_use"].tolist(), strict=True):
+            b.pdata = nu
+        self.import_context(state)
+
+    def export_context(self) -> dict[str, Any]:
+        """The request being served (whose next uses the hooks read), the latest one admitted, and the knowledge
+        (read-only arrays, per occurrence: :func:`next_uses` and the request of each next use)."""
+        return {"frontier": self._frontier, "context": self._context_of, "next_req": self._next_req,
+                "next_occ": self._next_occ, "occ_req": self._occ_req}
+
+    def import_context(self, state: dict[str, Any]) -> None:
+        if state["context"] >= 0:
+            self._context(self._trace, int(state["context"]))
+        self._frontier = int(state["frontier"])

@@ -6,8 +6,10 @@ must be made there too (``tests/test_fast_engine.py`` compares the two hit for h
 
 from __future__ import annotations
 
+from typing import Any
+
 from sae_env.block import Block
-from sae_env.policies.base import KeyedPolicy
+from sae_env.policies.base import KeyedPolicy, block_array
 
 
 class FIFOPolicy(KeyedPolicy):
@@ -23,3 +25,12 @@ class FIFOPolicy(KeyedPolicy):
 
     def priority(self, block: Block, now: float) -> int:
         return block.pdata
+
+    def export_pdata(self, index: dict[int, int]) -> dict[str, Any]:
+        return {"inserted": block_array(self.cache.blocks.values(), index, lambda b: b.pdata),
+                "n_inserted": self._inserted}
+
+    def import_pdata(self, state: dict[str, Any], blocks: list[Block]) -> None:
+        self._inserted = int(state["n_inserted"])
+        for b, r in zip(blocks, state["inserted"].tolist(), strict=True):
+            b.pdata = r

@@ -9,8 +9,10 @@ must be made there too (``tests/test_fast_engine.py`` compares the two hit for h
 
 from __future__ import annotations
 
+from typing import Any
+
 from sae_env.block import Block
-from sae_env.policies.base import KeyedPolicy
+from sae_env.policies.base import KeyedPolicy, block_array
 
 
 class LFUPolicy(KeyedPolicy):
@@ -28,3 +30,13 @@ class LFUPolicy(KeyedPolicy):
 
     def priority(self, block: Block, now: float) -> tuple[int, int]:
         return (1 + block.hits, block.pdata)
+
+    def export_pdata(self, index: dict[int, int]) -> dict[str, Any]:
+        # -1: not released since its insertion (a block an in-flight request holds)
+        return {"released": block_array(self.cache.blocks.values(), index, lambda b: b.pdata, default=-1),
+                "n_released": self._released}
+
+    def import_pdata(self, state: dict[str, Any], blocks: list[Block]) -> None:
+        self._released = int(state["n_released"])
+        for b, r in zip(blocks, state["released"].tolist(), strict=True):
+            b.pdata = None if r < 0 else r

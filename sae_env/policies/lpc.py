@@ -63,8 +63,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from sae_env.block import Block
-from sae_env.policies.base import KeyedPolicy, ParamSpec
+from sae_env.policies.base import KeyedPolicy, ParamSpec, block_array
 from sae_env.trace import Trace
 
 SHARED = object()  # the "session" of blocks shared by several sessions
@@ -142,7 +144,8 @@ class LPCPolicy(KeyedPolicy):
         self._heap = heap
 
     # -- the probability -------------------------------------------------------------------------------------
-    def _p_first(self, trace: Trace, i: int) -> float:
+    def p_first(self, trace: Trace, i: int) -> float:
+        """The predictor's continuation probability for request ``i`` (a session's first), checked."""
         r = self.predictor(trace, i)
         if isinstance(r, (int, float)):
             p = float(r)
@@ -172,7 +175,7 @@ class LPCPolicy(KeyedPolicy):
             self._gaps += 1
             self._tau_learned += (now - last - self._tau_learned) / min(self._gaps, _GAP_WINDOW)
         if k == 1 and self.predictor is not None:
-            p = self._p_first(trace, i)
+            p = self.p_first(trace, i)
             self._w_predicted += 1
         else:
             a, b = self.prior
@@ -219,6 +222,38 @@ class LPCPolicy(KeyedPolicy):
     def priority(self, block: Block, now: float) -> float:
         d = block.pdata
         return block.last_access + self._keyed_tau * (self._shared_logit if d[1] is SHARED else d[0])
+
+    # -- the state contract ------------------------------------------------------------------------------------
+    # A context (logit p, session) is stored as its logit, its session and its kind: 0 a session, 1 shared (the
+    # session is then 0), 2 none yet (the latest-arrival context before any arrival).
+    def export_pdata(self, index: dict[int, int]) -> dict[str, Any]:
+        blocks = self.cache.blocks.values()
+        cur_kind = 2 if self._cur[1] is None else 0
+        return {"logit": block_array(blocks, index, lambda b: b.pdata[0], np.float64),
+                "session": block_array(blocks, index, lambda b: None if b.pdata[1] is SHARED else b.pdata[1]),
+                "shared": block_array(blocks, index, lambda b: b.pdata[1] is SHARED),
+                "tau_learned": self._tau_learned, "gaps": self._gaps, "keyed_tau": self._keyed_tau,
+                "keyed_scale": self._keyed_scale, "now": self._now, "prune_at": self._prune_at,
+                "reached": np.array(self._reached, dtype=np.int64),
+                "continued": np.array(self._continued, dtype=np.int64),
+                "last_sessions": np.fromiter(self._last.keys(), dtype=np.int64, count=len(self._last)),
+                "last_times": np.fromiter(self._last.values(), dtype=np.float64, count=len(self._last)),
+                "cur_logit": self._cur[0], "cur_session": 0 if cur_kind else self._cur[1], "cur_kind": cur_kind,
+                "w_first": self._w_first, "w_predicted": self._w_predicted, "w_p_first": self._w_p_first}
+
+    def import_pdata(self, state: dict[str, Any], blocks: list[Block]) -> None:
+        for b, x, s, shared in zip(blocks, state["logit"].tolist(), state["session"].tolist(),
+                                   state["shared"].tolist(), strict=True):
+            b.pdata = (x, SHARED if shared else s)
+        self._tau_learned, self._gaps = float(state["tau_learned"]), int(state["gaps"])
+        self._keyed_tau, self._keyed_scale = float(state["keyed_tau"]), float(state["keyed_scale"])
+        self._now, self._prune_at = float(state["now"]), int(state["prune_at"])
+        self._reached, self._continued = state["reached"].tolist(), state["continued"].tolist()
+        self._last = dict(zip(state["last_sessions"].tolist(), state["last_times"].tolist(), strict=True))
+        kind = int(state["cur_kind"])
+        self._cur = (float(state["cur_logit"]), None if kind == 2 else int(state["cur_session"]))
+        self._w_first, self._w_predicted = int(state["w_first"]), int(state["w_predicted"])
+        self._w_p_first = float(state["w_p_first"])
 
     # -- reporting -------------------------------------------------------------------------------------------
     def window_stats(self) -> dict[str, Any]:

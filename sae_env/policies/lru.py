@@ -12,9 +12,10 @@ must be made there too (``tests/test_fast_engine.py`` compares the two hit for h
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 from sae_env.block import Block
-from sae_env.policies.base import EvictionPolicy
+from sae_env.policies.base import EvictionPolicy, positions
 
 
 class LRUPolicy(EvictionPolicy):
@@ -40,6 +41,12 @@ class LRUPolicy(EvictionPolicy):
                 del self._free[key]
                 return b
         return None
+
+    def export_state(self, index: dict[int, int]) -> dict[str, Any]:
+        return {"free": positions(self._free.values(), index)}  # the free queue, least recently released first
+
+    def import_state(self, state: dict[str, Any], blocks: list[Block]) -> None:
+        self._free = OrderedDict((blocks[i].key, blocks[i]) for i in state["free"].tolist())
 
     def check_invariants(self) -> None:
         unpinned = {k for k, b in self.cache.blocks.items() if b.pins == 0}

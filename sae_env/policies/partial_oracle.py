@@ -25,11 +25,12 @@ in ``on_release`` and is the LRU tie-break.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from sae_env.block import Block
-from sae_env.policies.base import KeyedPolicy
+from sae_env.policies.base import KeyedPolicy, block_array
 from sae_env.policies.belady import NEVER, BeladyPolicy
 from sae_env.trace import Trace
 
@@ -41,8 +42,30 @@ class _ReleaseOrder(KeyedPolicy):
         super().__init__()
         self._released = 0
 
+    knowledge_dtype: Any = np.int64  # of what knowledge() returns, for the state contract
+
     def knowledge(self, block: Block) -> object:
         """What the oracle knows of ``block`` when it is released (the first element of its pdata)."""
+        raise NotImplementedError
+
+    # State: each block's knowledge and release order (-1 while it is held since its last hit: then pdata is the
+    # knowledge alone), the release counter, and the oracle's context (export_context).
+    def export_pdata(self, index: dict[int, int]) -> dict[str, Any]:
+        blocks = self.cache.blocks.values()
+        return {"knowledge": block_array(blocks, index, self.knowledge, self.knowledge_dtype),
+                "released_at": block_array(blocks, index, lambda b: b.pdata[1] if isinstance(b.pdata, tuple) else -1),
+                "n_released": self._released, **self.export_context()}
+
+    def import_pdata(self, state: dict[str, Any], blocks: list[Block]) -> None:
+        self._released = int(state["n_released"])
+        for b, k, r in zip(blocks, state["knowledge"].tolist(), state["released_at"].tolist(), strict=True):
+            b.pdata = (k, r) if r >= 0 else k
+        self.import_context(state)
+
+    def export_context(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def import_context(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
 
     def on_release(self, blocks: list[Block], now: float) -> None:
@@ -58,6 +81,7 @@ class ReuseOraclePolicy(BeladyPolicy, _ReleaseOrder):
     """Dead leaves (never referenced again) first, the rest in LRU order."""
 
     name = "reuse-oracle"
+    export_pdata, import_pdata = _ReleaseOrder.export_pdata, _ReleaseOrder.import_pdata  # not Belady's
 
     def knowledge(self, block: Block) -> object:
         nu = block.pdata
@@ -72,6 +96,8 @@ class WhenOraclePolicy(BeladyPolicy, _ReleaseOrder):
     """Furthest next use first, the next use known only to within a factor; ties in LRU order."""
 
     name = "when-oracle"
+    knowledge_dtype = np.float64
+    export_pdata, import_pdata = _ReleaseOrder.export_pdata, _ReleaseOrder.import_pdata  # not Belady's
 
     def __init__(self, factor: float = 2.0) -> None:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1 \
@@ -117,6 +143,7 @@ class SessionOraclePolicy(_ReleaseOrder):
         self._trace: Trace | None = None
         self._has_next: list[bool] = []
         self._session: list[int] = []
+        self._session_ids, self._has_next_arr = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
         self._cur = -1  # the request whose hooks are running: its arrival or its completion
 
     def bind(self, trace: Trace) -> None:
@@ -128,6 +155,7 @@ class SessionOraclePolicy(_ReleaseOrder):
         has_next = np.zeros(len(sid), dtype=bool)
         has_next[order[:-1]] = sid[order[:-1]] == sid[order[1:]]
         self._has_next = has_next.tolist()
+        self._session_ids, self._has_next_arr = sid, has_next  # the same, as arrays for the state contract
 
     def _context(self, trace: Trace, i: int) -> None:
         if trace is not self._trace:
@@ -158,3 +186,9 @@ class SessionOraclePolicy(_ReleaseOrder):
     def priority(self, block: Block, now: float) -> tuple[int, int]:
         user, released = block.pdata
         return (0 if user >= 0 and not self._has_next[user] else 1, released)
+
+    def export_context(self) -> dict[str, Any]:
+        return {"context": self._cur, "request_session": self._session_ids, "has_next": self._has_next_arr}
+
+    def import_context(self, state: dict[str, Any]) -> None:
+        self._cur = int(state["context"])

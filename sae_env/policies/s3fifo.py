@@ -22,9 +22,12 @@ must be made there too (``tests/test_fast_engine.py`` compares the two hit for h
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
+
+import numpy as np
 
 from sae_env.block import Block
-from sae_env.policies.base import EvictionPolicy
+from sae_env.policies.base import EvictionPolicy, block_array, positions
 
 SMALL, MAIN = 0, 1
 
@@ -116,6 +119,22 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def occupancy_by_queue(self) -> dict[int, int]:
         return {SMALL: len(self._small), MAIN: len(self._main) + len(self._parked)}
+
+    def export_state(self, index: dict[int, int]) -> dict[str, Any]:
+        return {"small": positions(self._small.values(), index), "main": positions(self._main.values(), index),
+                "parked": positions(self._parked.values(), index),
+                "freq": block_array(self.cache.blocks.values(), index, lambda b: b.pdata),
+                "ghost": np.fromiter(self._ghost, dtype=np.int64, count=len(self._ghost)),  # keys, oldest first
+                "small_target": self._small_target, "ghost_size": self._ghost_size}
+
+    def import_state(self, state: dict[str, Any], blocks: list[Block]) -> None:
+        for b, f in zip(blocks, state["freq"].tolist(), strict=True):
+            b.pdata = f
+        self._small = OrderedDict((blocks[i].key, blocks[i]) for i in state["small"].tolist())
+        self._main = OrderedDict((blocks[i].key, blocks[i]) for i in state["main"].tolist())
+        self._parked = {blocks[i].key: blocks[i] for i in state["parked"].tolist()}
+        self._ghost = OrderedDict.fromkeys(state["ghost"].tolist())
+        self._small_target, self._ghost_size = int(state["small_target"]), int(state["ghost_size"])
 
     def check_invariants(self) -> None:
         small, main, parked = set(self._small), set(self._main), set(self._parked)

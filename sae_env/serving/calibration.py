@@ -98,6 +98,11 @@ class CalibrationTable:
 
     # -- interpolation ----------------------------------------------------------------------------------------
 
+    def grid(self) -> tuple[list[float], list[float], list[list[float]], list[float]]:
+        """The table as :meth:`prefill_time` reads it: new-token points, cached-token points, one row of times per
+        cached-token point, and each row's slope past its last point (the compiled server interpolates the same)."""
+        return list(self._xs), list(self._cs), [list(r) for r in self._rows], list(self._tail)
+
     def _row_at(self, j: int, n: float) -> float:
         xs, row = self._xs, self._rows[j]
         if n <= xs[0]:

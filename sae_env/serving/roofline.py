@@ -107,6 +107,11 @@ class RooflineCost:
     def __repr__(self) -> str:
         return f"RooflineCost({self.name}, efficiency={self.efficiency})"
 
+    def terms(self) -> tuple[float, float, float, float, float, float]:
+        """The constants :meth:`batch_time` computes with: FLOPs per new token (linear layers), FLOPs per (query,
+        key) pair, weight bytes, KV bytes per token, FLOP rate, byte rate (the compiled server uses them as is)."""
+        return self._lin, self._pair, self._w, self._kv, self._flop_rate, self._byte_rate
+
     def flops(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """FLOPs of prefilling ``new_tokens`` after ``cached_tokens`` (one request alone)."""
         n, c = new_tokens, cached_tokens

@@ -37,6 +37,8 @@ import math
 from collections import deque
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+import numpy as np
+
 from sae_env.serving.cost import CostModel
 
 __all__ = ["DEFAULT_MAX_NUM_SEQS", "DEFAULT_TOKEN_BUDGET", "Completion", "InstantServer", "PrefillServer", "Server"]
@@ -219,6 +221,34 @@ class PrefillServer(_ArrivalClock):
 
     def decode_time(self, output_tokens: int, context_tokens: int, batch: int = 1) -> float:
         return self.cost.decode_time(output_tokens, context_tokens, batch)
+
+    # -- the state contract (sae_env.state): a timed replay moves between engines with its server ------------------
+    def export_state(self) -> dict[str, Any]:
+        """The queue (request ids must be ints), the formed completions not yet returned, the clock and the totals,
+        as arrays and numbers (a first chunk's start is NaN until it has one)."""
+        q, d = self._queue, self._done
+        return {"queue_req": np.array([e[0] for e in q], dtype=np.int64),
+                "queue_arrival": np.array([e[1] for e in q], dtype=np.float64),
+                "queue_rem": np.array([e[2] for e in q], dtype=np.int64),
+                "queue_ctx": np.array([e[3] for e in q], dtype=np.int64),
+                "queue_start": np.array([math.nan if e[4] is None else e[4] for e in q], dtype=np.float64),
+                "done_req": np.array([c.req_id for c in d], dtype=np.int64),
+                "done_first": np.array([c.t_first_token for c in d], dtype=np.float64),
+                "done_delay": np.array([c.queue_delay for c in d], dtype=np.float64),
+                "free_at": self._free_at, "min_arrival": self._min_arrival, "last_arrival": self._last_arrival,
+                "iterations": self.iterations, "busy_time": self.busy_time, "prefilled_tokens": self.prefilled_tokens}
+
+    def import_state(self, state: dict[str, Any]) -> None:
+        """Take back a state written by :meth:`export_state` (or by the compiled engine)."""
+        self._queue = deque([int(r), a, int(rem), int(ctx), None if math.isnan(s) else s] for r, a, rem, ctx, s in zip(
+            state["queue_req"].tolist(), state["queue_arrival"].tolist(), state["queue_rem"].tolist(),
+            state["queue_ctx"].tolist(), state["queue_start"].tolist(), strict=True))
+        self._done = deque(Completion(int(r), f, q) for r, f, q in zip(
+            state["done_req"].tolist(), state["done_first"].tolist(), state["done_delay"].tolist(), strict=True))
+        self._free_at, self._min_arrival = float(state["free_at"]), float(state["min_arrival"])
+        self._last_arrival = float(state["last_arrival"])
+        self.iterations, self.busy_time = int(state["iterations"]), float(state["busy_time"])
+        self.prefilled_tokens = int(state["prefilled_tokens"])
 
 
 class InstantServer(_ArrivalClock):

@@ -1,0 +1,203 @@
+"""numba, when it is installed, and the compiled hook interface: a policy's compiled hooks are chosen by the type
+of its state.
+
+A compiled policy keeps its state in a :class:`typing.NamedTuple` of arrays (its *state class*) and implements the
+hooks below for that class with :func:`implements`. The request loop (:mod:`sae_env.fast_engine.loop`) is written
+once, as *templates* that call ``on_insert(ps, c, s, now)`` and so on by name; :func:`kernel` compiles it for one
+state class with that class's hooks in place, so every policy gets its own machine code with its hooks inlined (no
+call through a pointer, no branch on a policy code). This is the compiled counterpart of
+:class:`~sae_env.policies.base.EvictionPolicy`: the same hooks, over slots (array rows) instead of blocks.
+
+(numba's ``overload`` could pick the hooks by type too, but its inlining of typed code miscompiled a hook with a
+loop here (numba 0.68: "variable ... is not in scope"), and without inlining every hook call cost a reference
+count per array: the lru loop ran at half speed. Whole-function inlining before typing, as here, has neither
+problem.)
+
+Hooks (``ps``: the policy's state, ``c``: the cache core (:class:`~sae_env.fast_engine.loop.Core`), ``path[i0:i1]``
+a run of a request's slots, in path order):
+
+=========================================  ======================================================================
+``on_request(ps, c, j, now)``              request ``j`` arrives (before its lookup)
+``on_complete(ps, c, j, now)``             request ``j`` finished decoding; its outputs are inserted next
+``on_acquire(ps, c, path, i0, i1)``        these slots' pins went 0 -> 1
+``on_hit(ps, c, path, i0, i1, now)``       the request hit these slots
+``on_insert(ps, c, s, now)``               slot ``s`` was filled (pinned by the inserting request)
+``on_release(ps, c, path, i0, i1, now)``   these slots' pins went 1 -> 0; released deepest first, i.e. from
+                                           ``path[i1 - 1]`` down to ``path[i0]``
+``on_leaf(ps, c, s)``                      slot ``s`` lost its last cached child
+``evict(ps, c, now) -> slot``              choose an unpinned leaf, forget it, return its slot (-1: none)
+=========================================  ======================================================================
+
+A hook a policy does not implement is a no-op (``evict`` must be implemented).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["AVAILABLE", "HOOKS", "implements", "inline", "jit", "kernel", "rebind", "template"]
+
+try:  # an optional dependency: the replay falls back to the Python engine without it
+    import numba
+
+    AVAILABLE = True
+    jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+    # Helpers are inlined into the kernels: a call that passes arrays costs reference-count updates, which
+    # measured here tripled the cost of an LRU update.
+    inline = numba.njit(inline="always", boundscheck=False)
+except ImportError:  # pragma: no cover - exercised only where numba is not installed
+    AVAILABLE = False
+
+    def jit(f):
+        return f
+
+    inline = jit
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def _package_stamp() -> str:
+    """A digest of every source file of this package."""
+    h = hashlib.sha256()
+    for f in sorted(_PACKAGE.glob("*.py")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _stamp_the_whole_package() -> None:
+    """numba checks a cached kernel against its own source file only, but a kernel here inlines hooks from the
+    other modules of the package: a changed hook would keep running its stale machine code. The kernels of this
+    package are checked against a digest of all its files instead (numba's cache locators, subclassed: their
+    location is unchanged). Should numba's internals move, caching stays as numba does it."""
+    try:
+        from numba.core import caching
+    except ImportError:  # pragma: no cover
+        return
+    stamp = _package_stamp()
+    bases = [getattr(caching, n, None) for n in ("InTreeCacheLocator", "UserWideCacheLocator")]
+    if not all(bases) or not hasattr(caching.CacheImpl, "_locator_classes"):  # pragma: no cover
+        return
+    ours = []
+    for base in bases:
+        class Locator(base):
+            def get_source_stamp(self):
+                return stamp
+
+            @classmethod
+            def from_function(cls, py_func, py_file):
+                if Path(py_file).resolve().parent != _PACKAGE:
+                    return None
+                return super().from_function(py_func, py_file)
+
+        Locator.__name__ = f"FastEngine{base.__name__}"
+        ours.append(Locator)
+    caching.CacheImpl._locator_classes[:0] = ours
+
+
+if AVAILABLE:
+    _stamp_the_whole_package()
+
+
+# The no-op of each hook (evict has none: a policy must choose its victims).
+def _on_request(ps, c, j, now):
+    pass
+
+
+def _on_complete(ps, c, j, now):
+    pass
+
+
+def _on_acquire(ps, c, path, i0, i1):
+    pass
+
+
+def _on_hit(ps, c, path, i0, i1, now):
+    pass
+
+
+def _on_insert(ps, c, s, now):
+    pass
+
+
+def _on_release(ps, c, path, i0, i1, now):
+    pass
+
+
+def _on_leaf(ps, c, s):
+    pass
+
+
+HOOKS = ("on_request", "on_complete", "on_acquire", "on_hit", "on_insert", "on_release", "on_leaf", "evict")
+_NOOPS: dict[str, Callable] = {f.__name__[1:]: f for f in (_on_request, _on_complete, _on_acquire, _on_hit,
+                                                            _on_insert, _on_release, _on_leaf)}
+_IMPLS: dict[type, dict[str, Callable]] = {}
+_TEMPLATES: dict[str, Callable] = {}
+_KERNELS: dict[tuple[str, type], Callable] = {}
+
+
+def template(f: Callable) -> Callable:
+    """Mark a function of the request loop as a template: it calls hooks (directly or through other templates),
+    so it is compiled once per state class, with that class's hooks, by :func:`kernel`. Templates call each other
+    and the hooks by their module-level names."""
+    _TEMPLATES[f.__name__] = f
+    return f
+
+
+def kernel(entry: str, state_class: type, **constants: Any) -> Callable:
+    """The compiled ``entry`` template for policies whose state is a ``state_class``: every template and hook it
+    reaches inlined (numba's own inlining of whole functions, before typing), so that each policy gets its own
+    machine code with its hooks in place (no call through a pointer, no branch on a policy code). ``constants``
+    replace module-level constants of the templates (numba prunes the branches they decide before inlining).
+    Cached on disk like any kernel: one cache entry per state class and constants."""
+    key = (entry, state_class, *sorted(constants.items()))
+    k = _KERNELS.get(key)
+    if k is None:
+        impls = _IMPLS.get(state_class, {})
+        if "evict" not in impls:
+            raise TypeError(f"compiled policy state {state_class.__name__} has no evict hook")
+        first = _TEMPLATES[entry]
+        scope = {**first.__globals__, **constants}
+        for name in HOOKS:
+            scope[name] = inline(impls.get(name) or _NOOPS[name])
+        for name, f in _TEMPLATES.items():
+            copy = types.FunctionType(f.__code__, scope, name, f.__defaults__)
+            scope[name] = copy if name == entry else inline(copy)
+        # numba's disk cache tells kernels apart by their qualified name and signature: kernels that differ only in
+        # their constants need names of their own.
+        scope[entry].__qualname__ = "__".join([entry, *(f"{k}_{v}" for k, v in sorted(constants.items()))])
+        k = _KERNELS[key] = jit(scope[entry])
+    return k
+
+
+def rebind(f: Callable, **names: Any) -> Callable:
+    """A copy of plain function ``f`` that sees ``names`` instead of its module's globals of those names (a hook
+    written once for a family of policies, specialised per policy: numba compiles the copy, not a closure)."""
+    scope = {**f.__globals__, **names}
+    return types.FunctionType(f.__code__, scope, f.__name__, f.__defaults__)
+
+
+def implements(state_class: type, hook: str) -> Callable[[Callable], Callable]:
+    """Register the decorated (plain Python) function as ``hook`` of the compiled policy whose state is a
+    ``state_class``; it is compiled inlined into that policy's kernels."""
+    if hook not in HOOKS:
+        raise ValueError(f"unknown hook {hook!r}; hooks: {list(HOOKS)}")
+
+    def deco(f: Callable) -> Callable:
+        _IMPLS.setdefault(state_class, {})[hook] = f
+        return f
+
+    return deco
+
+
+# The hooks' default names, which the templates call; kernel() binds them to a policy's implementations.
+on_request, on_complete, on_acquire, on_hit, on_insert, on_release, on_leaf = (inline(f) for f in _NOOPS.values())
+
+
+@inline
+def evict(ps, c, now):  # pragma: no cover - replaced in every kernel
+    return -1
