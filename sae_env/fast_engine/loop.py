@@ -40,6 +40,7 @@ import numpy as np
 from sae_env.block import TYPE_SLOTS
 from sae_env.fast_engine import server as srv
 from sae_env.fast_engine.jit import (
+    borrow,
     evict,
     inline,
     jit,
@@ -322,6 +323,7 @@ def run_window(c, ps, sv, a, b, hits_out, finish):
     next arrival (their paths rebuilt from their deepest held slot). One call site each for admission and
     completion keeps the kernel small (they are inlined). ``TIMED`` is a constant of each kernel
     (:func:`~sae_env.fast_engine.jit.kernel`), so an instant-mode kernel holds none of the timed code."""
+    c, ps, sv = borrow(c), borrow(ps), borrow(sv)  # no reference counting inside (jit.borrow says why)
     j = a
     due = -1  # instant mode: the request just admitted, to complete now
     plen = 0
