@@ -63,7 +63,8 @@ except ImportError:  # pragma: no cover - exercised only where numba is not inst
 _PACKAGE = Path(__file__).resolve().parent
 
 if AVAILABLE:
-    from numba.core import cgutils, types as nbtypes
+    from numba.core import cgutils
+    from numba.core import types as nbtypes
     from numba.extending import intrinsic
 
     def _borrowed(context, builder, ty, value):
