@@ -2,7 +2,7 @@
 
 Our replay has two engines with identical results (``tests/test_fast_engine.py`` checks every window statistic):
 the generic Python engine (any policy) and the compiled one (:mod:`sae_env.fast_engine`, numba) that
-:class:`~sae_env.replay.Replay` takes by default for ``lru``, ``lfu``, ``fifo`` and ``s3fifo`` in instant mode. Both
+:class:`~sae_env.replay.Replay` takes by default for every policy with a compiled twin, instant or timed (TTFT). Both
 are measured and labelled; "default" is what a user gets without asking.
 
 1. A block-reference stream with no shared prefixes (one block per request, Zipf ids) through our ``lru`` (default
@@ -11,18 +11,22 @@ are measured and labelled; "default" is what a user gets without asking.
    the trace's keys to dense ids there) and the per-window statistics; the kernels are compiled (or loaded from
    numba's on-disk cache) beforehand, and that one-off time is printed separately.
 2. Block references per second for every registered online policy on a prefix-sharing trace (the synthetic
-   heterogeneous workload by default), instant mode: the default engine, and the Python engine where they differ.
-3. Bytes of memory per cached block (tracemalloc while filling a cache to capacity, ghost record full), for each
-   compiled policy on each engine and for ``saecache`` (Python engine only), with the floor of any engine that keeps
-   its blocks and ghosts in Python dicts: one dict entry plus the key's int object, per block and per ghost.
+   heterogeneous workload by default; ``--prefix-trace wildchat`` etc. for an embedded real one), instant mode: the
+   default engine, and the Python engine where they differ; then ``lru`` timed (the ``qwen2.5-1.5b@a40`` prefill
+   server and every TTFT).
+3. Bytes of memory per cached block (tracemalloc while filling a cache to capacity, ghost record full, keys
+   included) for every policy on its default engine, with the floor of any engine that keeps its blocks and ghosts
+   in Python dicts: one dict entry plus the key's int object, per block and per ghost.
 
 4. LRU's miss-ratio curve (:mod:`sae_env.mrc`) at 20 capacities (1 % to 40 % of the distinct blocks, spaced
    geometrically, as ``train.py replay --capacity 1%:40%``) from one pass over an embedded real trace, against 20
    separate ``lru`` replays (default engine) of the same trace; hits checked equal at every capacity.
 
-The last lines are ``lru_vs_libcachesim=<ratio>`` (the default engine) and ``mrc_vs_replays=<ratio>`` (seconds of
-the one-pass curve over seconds of the 20 replays: lower is better). Machines here are noisy: compare ratios, not
-absolute figures.
+It ends with one ``name=value`` line per ratio, each measured in one run: ``lru_vs_libcachesim`` (part 1, default
+engine), ``saecache_vs_lru``, ``lpc_vs_lru``, ``belady_vs_lru`` (part 2: block refs/s on each one's default engine
+over lru's), ``timed_vs_instant`` (part 2: lru timed over lru instant), ``max_bytes_per_block`` (part 3: the
+largest over all policies on their default engines), ``mrc_vs_replays`` (part 4: seconds of the one-pass curve over
+seconds of the 20 replays: lower is better). Machines here are noisy: compare ratios, not absolute figures.
 
     python benchmarks/replay_bench.py [--requests 1000000] [--objects 1000000] [--cache 0.1]
 """
@@ -41,10 +45,12 @@ from sae_env import fast_engine
 from sae_env.cache import PrefixCache
 from sae_env.policies import make_policy, policy_class, policy_names
 from sae_env.replay import Replay
+from sae_env.serving import make_server
 from sae_env.sources import load_source
 from sae_env.trace import Trace
 
 NEVER = np.iinfo(np.int64).max
+TIMED_PRESET = "qwen2.5-1.5b@a40"
 
 
 def zipf_stream(n: int, objects: int, alpha: float, seed: int) -> np.ndarray:
@@ -89,10 +95,13 @@ def libcachesim_lru(ids: np.ndarray, capacity: int, tmp: Path) -> tuple[float, i
     return dt, int(round((1 - miss_ratio) * ids.size))
 
 
-def ours(trace: Trace, policy: str, capacity: int, engine: str = "auto") -> tuple[float, int, str]:
-    """Seconds to build and run the replay, hit blocks, and the engine that ran."""
+def ours(trace: Trace, policy: str, capacity: int, engine: str = "auto", serving: str | None = None,
+         ) -> tuple[float, int, str]:
+    """Seconds to build and run the replay, hit blocks, and the engine that ran (``serving``: a timed server's
+    preset, built before the clock starts)."""
+    server = make_server(serving) if serving else None
     t0 = time.perf_counter()
-    rep = Replay(trace, PrefixCache(capacity, make_policy(policy)), window_requests=50_000, engine=engine)
+    rep = Replay(trace, PrefixCache(capacity, make_policy(policy)), server, window_requests=50_000, engine=engine)
     used = rep.engine
     rep.run()
     return time.perf_counter() - t0, sum(w.hit_blocks for w in rep.windows), used
@@ -146,12 +155,23 @@ def bytes_per_block_fast(policy: str, capacity: int) -> tuple[float, float]:
     return used / rep.occupancy, rep.engine_nbytes / rep.occupancy
 
 
+def engine_of(policy: str) -> str:
+    """The engine ``Replay(engine="auto")`` picks for ``policy`` on the memory trace."""
+    trace = prompts_of_four(16)
+    return Replay(trace, PrefixCache(8, make_policy(policy)), engine="auto").engine
+
+
 def warm_up() -> float:
-    """Compile (or load from numba's cache) the kernels once; returns the seconds it took."""
+    """Compile (or load from numba's cache) the kernels once, instant and timed; returns the seconds it took."""
     t0 = time.perf_counter()
     trace = prompts_of_four(16)
-    for name in ("lru", "lfu", "fifo", "s3fifo"):
-        Replay(trace, PrefixCache(8, make_policy(name)), engine="fast").run()
+    for name in policy_names():
+        if getattr(policy_class(name), "needs_predictor", False):
+            continue
+        for server in (None, make_server(TIMED_PRESET)):
+            rep = Replay(trace, PrefixCache(8, make_policy(name)), server)
+            if rep.engine == "fast":
+                rep.run()
     return time.perf_counter() - t0
 
 
@@ -215,36 +235,56 @@ def main() -> None:
         print(f"  {label:28s} {ids.size / t / 1e6:8.3f} M refs/s   hits {h:,}   "
               f"{'(hits agree)' if abs(h - hits_ref) <= 1 else '(HITS DIFFER)'}   {dt_ref / t:.3f}x libcachesim")
 
-    trace, _ = load_source("synthetic", None, preset="heterogeneous")
+    trace, _ = load_source(args.prefix_trace, None, **({"preset": "heterogeneous"}
+                                                         if args.prefix_trace == "synthetic" else {}))
     refs = trace.n_blocks
     cap = max(1, int(0.15 * trace.distinct_blocks()))
-    print(f"prefix-sharing trace (synthetic heterogeneous): {len(trace):,} requests, {refs:,} block refs, "
-          f"cache {cap:,} blocks")
+    print(f"prefix-sharing trace ({args.prefix_trace}): {len(trace):,} requests, {refs:,} block refs, "
+          f"cache {cap:,} blocks (15 % of distinct), instant serving unless stated")
+    rate: dict[str, float] = {}  # block refs/s on the default engine
     for name in policy_names():
         cls = policy_class(name)
         if getattr(cls, "needs_predictor", False):
             continue
         tag = " (oracle)" if cls.oracle else ""
         t, h, used = ours(trace, name, cap)
-        print(f"  {name:10s} {used:6s} {refs / t / 1e6:8.3f} M block refs/s   block hit rate {h / refs:.4f}{tag}"
-              f"{'   (default)' if used == 'fast' else ''}")
+        rate[name] = refs / t
+        print(f"  {name:14s} {used:6s} {refs / t / 1e6:8.3f} M block refs/s   block hit rate {h / refs:.4f}{tag}"
+              "   (default)")
         if used == "fast":
             t, h, _ = ours(trace, name, cap, engine="python")
-            print(f"  {name:10s} python {refs / t / 1e6:8.3f} M block refs/s   block hit rate {h / refs:.4f}")
+            print(f"  {name:14s} python {refs / t / 1e6:8.3f} M block refs/s   block hit rate {h / refs:.4f}")
+    t, h, used_timed = ours(trace, "lru", cap, serving=TIMED_PRESET)
+    rate["lru timed"] = refs / t
+    print(f"  {'lru timed':14s} {used_timed:6s} {refs / t / 1e6:8.3f} M block refs/s   block hit rate {h / refs:.4f}"
+          f"   (default; serving {TIMED_PRESET}: prefill server and TTFTs)")
+    if used_timed == "fast":
+        t, _, _ = ours(trace, "lru", cap, engine="python", serving=TIMED_PRESET)
+        print(f"  {'lru timed':14s} python {refs / t / 1e6:8.3f} M block refs/s")
 
     mc = args.memory_capacity
-    print(f"memory per cached block ({mc:,}-block cache filled with 4-block prompts, ghost record full):")
-    for name in ("lru", "lfu", "fifo", "s3fifo"):
-        if fast_engine.AVAILABLE:
+    print(f"memory per cached block ({mc:,}-block cache filled with 4-block prompts, ghost record full, keys "
+          "included):")
+    worst = (0.0, "")
+    for name in policy_names():
+        if getattr(policy_class(name), "needs_predictor", False):
+            continue
+        engine = engine_of(name)
+        if engine == "fast":
             total, state = bytes_per_block_fast(name, mc)
-            print(f"  {name:8s} compiled engine {total:6.0f} bytes (cache state alone {state:.0f}; the rest: the "
-                  "trace's dense ids and types)")
-        print(f"  {name:8s} python engine   {bytes_per_block_python(name, mc):6.0f} bytes")
-    print(f"  saecache python engine   {bytes_per_block_python('saecache', mc):6.0f} bytes")
+            note = f"(cache state alone {state:.0f}; the rest: the trace's dense ids and types)"
+        else:
+            total, note = bytes_per_block_python(name, mc), ""
+        worst = max(worst, (total, name))
+        print(f"  {name:14s} {engine:6s} {total:6.0f} bytes  (default) {note}")
     print(f"  floor of a Python-dict engine: {bytes_per_dict_entry(mc):.0f} bytes per dict entry with its int key, "
           "once for the block table and once for the ghost record")
     mrc = mrc_vs_replays(args.mrc_trace)
     print(f"lru_vs_libcachesim={(ids.size / dt) / (ids.size / dt_ref):.3f}")
+    for name in ("saecache", "lpc", "belady"):
+        print(f"{name}_vs_lru={rate[name] / rate['lru']:.3f}")
+    print(f"timed_vs_instant={rate['lru timed'] / rate['lru']:.3f}")
+    print(f"max_bytes_per_block={worst[0]:.0f}")  # the policy is named in the memory table above
     print(f"mrc_vs_replays={mrc:.3f}")
 
 
