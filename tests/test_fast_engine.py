@@ -58,7 +58,7 @@ def assert_same_windows(py: Replay, fast: Replay) -> None:
 
 
 # Arrays of an exported policy state that are not one value per block (per request, per occurrence, per turn, keys).
-NOT_PER_BLOCK = {"ghost", "reached", "continued", "next_req", "next_occ", "occ_req", "request_session", "has_next"}
+NOT_PER_BLOCK = {"ghost", "reached", "continued", "next_occ", "occ_req", "request_session", "has_next"}
 
 
 def contract_state(cache: PrefixCache) -> dict:

@@ -17,7 +17,7 @@ import numpy as np
 from sae_env.fast_engine.jit import inline, jit
 from sae_env.trace import Trace
 
-__all__ = ["KeyTable", "next_prompt_uses"]
+__all__ = ["KeyTable", "next_prompt_uses", "occurrence_dtype"]
 
 
 @inline
@@ -121,12 +121,18 @@ def _next_prompt_uses(pk, po, ok, oo, table, next_occ, occ_req):
             table[_row(table, pk[x]), 1] = x
 
 
+def occurrence_dtype(n: int) -> type:
+    """int32 for the per-occurrence knowledge of an oracle (half the memory of int64) where ``n`` occurrences fit."""
+    return np.int32 if n < 2**31 - 1 else np.int64
+
+
 def next_prompt_uses(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     """:func:`sae_env.policies.belady.next_uses`, compiled: one pass with a hash table instead of a sort."""
     n = trace.n_blocks + trace.n_output_blocks
     table = np.full((1 << max(4, int(2 * trace.distinct_blocks()).bit_length()), 2), -2, dtype=np.int64)
-    next_occ = np.empty(n, dtype=np.int64)
-    occ_req = np.empty(n, dtype=np.int64)
+    dtype = occurrence_dtype(n)
+    next_occ = np.empty(n, dtype=dtype)
+    occ_req = np.empty(n, dtype=dtype)
     _next_prompt_uses(trace.prompt_keys, trace.prompt_offsets, trace.output_keys, trace.output_offsets, table,
                       next_occ, occ_req)
     return next_occ, occ_req

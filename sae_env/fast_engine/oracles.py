@@ -34,15 +34,13 @@ FRONTIER, CONTEXT, RELEASED = range(3)  # scalars: latest request admitted, requ
 class BeladyState(NamedTuple):
     heap: hp.Heap
     ctx: np.ndarray  # int64 scalars
-    next_req: np.ndarray  # int64 per occurrence: request of its next use (NEVER: none)
-    next_occ: np.ndarray  # int64 per occurrence: its next use (-1: none)
-    occ_req: np.ndarray  # int64 per occurrence: its request
+    next_occ: np.ndarray  # int32 (int64 past 2**31 occurrences) per occurrence: its next use (-1: none)
+    occ_req: np.ndarray  # same type, per occurrence: its request
 
 
 class ReuseState(NamedTuple):
     heap: hp.Heap
     ctx: np.ndarray
-    next_req: np.ndarray
     next_occ: np.ndarray
     occ_req: np.ndarray
 
@@ -50,7 +48,6 @@ class ReuseState(NamedTuple):
 class WhenState(NamedTuple):
     heap: hp.Heap
     ctx: np.ndarray
-    next_req: np.ndarray
     next_occ: np.ndarray
     occ_req: np.ndarray
     fp: np.ndarray  # float64 [factor, log factor, sqrt factor]
@@ -75,18 +72,15 @@ def _context(ps, c):
 
 
 @inline
-def _next(ps, rec, next_req, ctx, s):
+def _next(ps, rec, ctx, s):
     """BeladyPolicy._next: the next use (request index, NEVER if none) of slot ``s`` seen from the context."""
     frontier, prompt_at, output_at, n_prompt = ctx
     d = rec[s, DEPTH]
-    occ = prompt_at + d if d < n_prompt else output_at + d
-    nu = next_req[occ]
-    if nu <= frontier:  # timed mode: outputs inserted after later arrivals; follow the key's chain of uses
+    occ = ps.next_occ[prompt_at + d if d < n_prompt else output_at + d]
+    while occ >= 0 and ps.occ_req[occ] <= frontier:
+        # timed mode: outputs inserted after later arrivals; follow the key's chain of uses
         occ = ps.next_occ[occ]
-        while occ >= 0 and ps.occ_req[occ] <= frontier:
-            occ = ps.next_occ[occ]
-        nu = NEVER if occ < 0 else ps.occ_req[occ]
-    return nu
+    return NEVER if occ < 0 else np.int64(ps.occ_req[occ])
 
 
 @inline
@@ -132,13 +126,13 @@ def _session_key(ps, c, s):
 # read next uses); _first: the same on insertion.
 @inline
 def _next_use(ps, rec, recf, ctx, s):
-    rec[s, NU] = _to_row(_next(ps, rec, ps.next_req, ctx, s))
+    rec[s, NU] = _to_row(_next(ps, rec, ctx, s))
     rec[s, REL] = -1
 
 
 @inline
 def _when_know(ps, rec, recf, ctx, s):
-    recf[s, EST] = _estimate(ps, _next(ps, rec, ps.next_req, ctx, s))
+    recf[s, EST] = _estimate(ps, _next(ps, rec, ctx, s))
     rec[s, WREL] = -1
 
 
@@ -232,7 +226,7 @@ for _cls, _names in ((BeladyState, {"_key": _belady_key, "_know": _next_use, "_f
 
 class _OracleTwin(Twin):
     chained = True  # a block's depth names its occurrence
-    knowledge_fields = ("next_req", "next_occ", "occ_req")
+    knowledge_fields = ("next_occ", "occ_req")
 
     def load(self, state: dict[str, Any], n: int, core: Any) -> None:
         ctx = np.array([state.get("frontier", -1), state["context"], state.get("n_released", 0)], dtype=np.int64)

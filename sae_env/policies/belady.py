@@ -56,6 +56,7 @@ def next_uses_sorted(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
                           np.repeat(np.arange(n, dtype=np.int64), np.diff(trace.output_offsets))])
     kind = np.concatenate([np.zeros(trace.n_blocks, np.int8), np.ones(trace.n_output_blocks, np.int8)])
     next_occ = np.full(keys.size, -1, dtype=np.int64)
+    dtype = np.int32 if keys.size < 2**31 - 1 else np.int64  # as fast_engine.keys.occurrence_dtype
     if keys.size:
         order = np.lexsort((kind, req, keys))
         k, r = keys[order], req[order]
@@ -74,7 +75,7 @@ def next_uses_sorted(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
             same_key = k[run_first[cand]] == k[run_first[runs]]  # runs of one key are contiguous
             nxt_first[runs[same_key]] = order[run_first[cand[same_key]]]
         next_occ[order] = nxt_first[run_of]
-    return next_occ, req
+    return next_occ.astype(dtype), req.astype(dtype)
 
 
 class BeladyPolicy(KeyedPolicy):
@@ -85,7 +86,6 @@ class BeladyPolicy(KeyedPolicy):
         super().__init__()
         self._next_occ: np.ndarray | None = None
         self._occ_req: np.ndarray | None = None
-        self._next_req: np.ndarray | None = None  # request of next_occ, NEVER if none
         self._trace: Trace | None = None
         self._cur_prompt: list[int] = []
         self._cur_output: list[int] = []
@@ -96,7 +96,6 @@ class BeladyPolicy(KeyedPolicy):
     def bind(self, trace: Trace) -> None:
         self._trace = trace
         self._next_occ, self._occ_req = next_uses(trace)
-        self._next_req = np.where(self._next_occ >= 0, self._occ_req[np.maximum(self._next_occ, 0)], NEVER)
 
     def _context(self, trace: Trace, i: int) -> None:
         if trace is not self._trace:
@@ -104,11 +103,18 @@ class BeladyPolicy(KeyedPolicy):
         self._context_of = i
         a, b = trace.prompt_offsets[i], trace.prompt_offsets[i + 1]
         self._cur_prompt_at = int(a)
-        self._cur_prompt = self._next_req[a:b].tolist()
+        self._cur_prompt = self._next_requests(a, b)
         a, b = trace.n_blocks + trace.output_offsets[i], trace.n_blocks + trace.output_offsets[i + 1]
         self._cur_output_at = int(a)
-        self._cur_output = self._next_req[a:b].tolist()
+        self._cur_output = self._next_requests(a, b)
         self._cur_n_prompt = len(self._cur_prompt)
+
+    def _next_requests(self, a: int, b: int) -> list[int]:
+        """The request of each next use of occurrences ``a .. b-1`` (NEVER: none). Not kept per occurrence: the two
+        chains are the whole knowledge, at 4 bytes each per occurrence."""
+        nxt = self._next_occ[a:b]
+        req = self._occ_req[np.maximum(nxt, 0)].astype(np.int64)
+        return np.where(nxt >= 0, req, NEVER).tolist()
 
     def on_request(self, trace: Trace, i: int, now: float) -> None:
         self._frontier = i
@@ -153,9 +159,9 @@ class BeladyPolicy(KeyedPolicy):
 
     def export_context(self) -> dict[str, Any]:
         """The request being served (whose next uses the hooks read), the latest one admitted, and the knowledge
-        (read-only arrays, per occurrence: :func:`next_uses` and the request of each next use)."""
-        return {"frontier": self._frontier, "context": self._context_of, "next_req": self._next_req,
-                "next_occ": self._next_occ, "occ_req": self._occ_req}
+        (read-only arrays, per occurrence: :func:`next_uses`)."""
+        return {"frontier": self._frontier, "context": self._context_of, "next_occ": self._next_occ,
+                "occ_req": self._occ_req}
 
     def import_context(self, state: dict[str, Any]) -> None:
         if state["context"] >= 0:
