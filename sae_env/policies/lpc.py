@@ -111,8 +111,10 @@ class LPCPolicy(KeyedPolicy):
         self._continued = [0] * (max_turn + 1)  # ... and then reached turn k + 1
         self._last: dict[int, float] = {}  # session -> arrival of its latest request
         self._prune_at = 1 << 16
-        self._sid: list[int] = []
-        self._turn: list[int] = []
+        # Per request, as arrays (a list of Python ints costs ~40 bytes a request, more than the compiled engine's
+        # whole cache row per block): the session (unknown ones unique) and the turn.
+        self._sid = np.zeros(0, dtype=np.int64)
+        self._turn = np.zeros(0, dtype=np.int64)
         self._trace: Trace | None = None
         self._cur: tuple[float, Any] = (0.0, None)  # context of the latest arrival: (logit p, session)
         self._now = 0.0
@@ -157,8 +159,8 @@ class LPCPolicy(KeyedPolicy):
 
     def bind(self, trace: Trace) -> None:
         self._trace = trace
-        self._sid = trace.session_ids().tolist()
-        self._turn = trace.turn.tolist()
+        self._sid = trace.session_ids()
+        self._turn = trace.turn
         prepare = getattr(self.predictor, "prepare", None)
         if prepare is not None:
             prepare(trace)
@@ -167,8 +169,8 @@ class LPCPolicy(KeyedPolicy):
         if trace is not self._trace:
             raise RuntimeError("lpc: bind() was called with a different trace than the one being replayed")
         self._now = now
-        s = self._sid[i]
-        k = self._turn[i]
+        s = int(self._sid[i])
+        k = int(self._turn[i])
         kb = k if k < self.max_turn else self.max_turn
         last = self._last.get(s)
         if last is not None and self.fixed_tau is None:

@@ -141,26 +141,29 @@ class SessionOraclePolicy(_ReleaseOrder):
     def __init__(self) -> None:
         super().__init__()
         self._trace: Trace | None = None
-        self._has_next: list[bool] = []
-        self._session: list[int] = []
+        # The same two per-request facts as lists, for the Python engine's per-block loops; built on its first hook
+        # call, so that a replay on the compiled engine does not hold ~50 bytes a request of Python ints.
+        self._has_next: list[bool] | None = None
+        self._session: list[int] | None = None
         self._session_ids, self._has_next_arr = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
         self._cur = -1  # the request whose hooks are running: its arrival or its completion
 
     def bind(self, trace: Trace) -> None:
         self._trace = trace
         sid = trace.session_ids()
-        self._session = sid.tolist()
+        self._session = self._has_next = None
         # A request's session has another turn iff a later request carries the same session id.
         order = np.lexsort((np.arange(len(sid)), sid))
         has_next = np.zeros(len(sid), dtype=bool)
         has_next[order[:-1]] = sid[order[:-1]] == sid[order[1:]]
-        self._has_next = has_next.tolist()
         self._session_ids, self._has_next_arr = sid, has_next  # the same, as arrays for the state contract
 
     def _context(self, trace: Trace, i: int) -> None:
         if trace is not self._trace:
             raise RuntimeError("session-oracle: bind() was called with a different trace than the one being replayed")
         self._cur = i
+        if self._session is None:
+            self._session, self._has_next = self._session_ids.tolist(), self._has_next_arr.tolist()
 
     def on_request(self, trace: Trace, i: int, now: float) -> None:
         self._context(trace, i)
@@ -192,3 +195,4 @@ class SessionOraclePolicy(_ReleaseOrder):
 
     def import_context(self, state: dict[str, Any]) -> None:
         self._cur = int(state["context"])
+        self._session, self._has_next = self._session_ids.tolist(), self._has_next_arr.tolist()  # see __init__
