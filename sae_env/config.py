@@ -17,6 +17,8 @@ A config names workloads, cache capacities, serving loads, agents and seeds; eve
     seeds: [0]
     reward: hit_rate                 # the env's reward (hit_rate, hit_tokens, neg_ttft)
     reference: saecache              # the report pairs this agent with each other one per seed (default: saecache)
+    lru_curve: 40                    # also LRU's exact hit rates at 40 capacities from the smallest to the largest,
+                                     #   from one pass per trace (instant serving; sae_env.mrc): lru_curve.json
     ray: {address: null, num_cpus: null, retries: 1, gpus_per_cell: 0}  # GPUs of a cell with a torch model
     wandb: {mode: offline, project: saecache-gym, entity: null, group: null, dir: null}  # unset: WANDB_* variables
     output: runs
@@ -321,7 +323,7 @@ class WandbConfig:
 
 
 _TOP_KEYS = ("name", "description", "workloads", "capacities", "agents", "serving", "window", "seeds", "reward",
-             "ray", "wandb", "output", "reference")
+             "ray", "wandb", "output", "reference", "lru_curve")
 
 
 @dataclass(frozen=True)
@@ -341,6 +343,7 @@ class ExperimentConfig:
     output: str = "runs"
     description: str = ""
     reference: str | None = None  # the report's paired comparisons are against it (None: saecache if present)
+    lru_curve: int | None = None  # capacities of LRU's one-pass miss-ratio curve (None: no curve)
 
     @classmethod
     def from_dict(cls, data: Any, runner: CellRunner | None = None, where: str = "config") -> ExperimentConfig:
@@ -386,19 +389,32 @@ class ExperimentConfig:
         if reference is not None and reference not in [a.name for a in agents]:
             raise ConfigError(f"reference: {reference!r} is not one of the agents "
                               f"({', '.join(a.name for a in agents)})")
+        lru_curve = d.get("lru_curve")
+        if lru_curve is not None:
+            from sae_env.mrc import MAX_POINTS
+
+            if isinstance(lru_curve, bool) or not isinstance(lru_curve, int) or not 2 <= lru_curve <= MAX_POINTS:
+                raise ConfigError(f"lru_curve: the number of capacities must be a whole number in [2, "
+                                  f"{MAX_POINTS:,}], got {brief(lru_curve)}")
+            if serving.model != "instant":
+                raise ConfigError(f"lru_curve: LRU's one-pass curve is exact in instant serving only, not with "
+                                  f"serving model {serving.model!r} (leave lru_curve out)")
         return cls(name=check_name(d["name"], "name"), workloads=workloads, capacities=capacities, agents=agents,
                    serving=serving, window=window, seeds=seeds, reward=reward,
                    ray=RayConfig.from_config(d.get("ray")), wandb=WandbConfig.from_config(d.get("wandb")),
-                   output=output, description=str(description or ""), reference=reference)
+                   output=output, description=str(description or ""), reference=reference, lru_curve=lru_curve)
 
     def to_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(asdict(self)))
+        d = json.loads(json.dumps(asdict(self)))
+        if d["lru_curve"] is None:  # left out: configs without a curve keep their results key (and run folders)
+            del d["lru_curve"]
+        return d
 
     def results_key(self) -> str:
         """A short hash of everything that decides the cells' results (not where or how they run)."""
         d = self.to_dict()
-        for k in ("ray", "wandb", "output", "description", "reference"):
-            d.pop(k)
+        for k in ("ray", "wandb", "output", "description", "reference", "lru_curve"):
+            d.pop(k, None)
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
 

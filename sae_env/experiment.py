@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from sae_env.config import (
@@ -341,6 +342,8 @@ def _run_locked(config: ExperimentConfig, runner: CellRunner, run_dir: Path, *, 
                 log(f"cell {cid} FAILED after {f['attempts']} attempt(s): {f['error']}")
         elif (run_dir / "failures.json").exists():
             (run_dir / "failures.json").unlink()
+        if config.lru_curve:
+            _write_lru_curves(config, run_dir, cells, results, traces if todo else {}, log)
         run = ExperimentRun(config, run_dir, cells, results, failures, len(done), 0.0)
         if report:
             from sae_env.report import write_report
@@ -358,6 +361,54 @@ def _trace_key(config: ExperimentConfig, cell: Cell) -> str:
     trace, built once and put once into Ray's object store."""
     workload = next(w for w in config.workloads if w.name == cell.workload)
     return json.dumps(workload.spec_for(cell.seed), sort_keys=True)
+
+
+def _write_lru_curves(config: ExperimentConfig, run_dir: Path, cells: list[Cell], results: dict[str, dict[str, Any]],
+                      traces: dict[str, Trace], log: Callable[[str], None]) -> None:
+    """``lru_curve.json``: LRU's figures at ``config.lru_curve`` capacities (geometric from the smallest to the
+    largest of the config's, which are included) per workload and seed, from one pass each (:mod:`sae_env.mrc`).
+    Every finished plain ``lru`` cell must equal the curve at its capacity (RuntimeError if not: the curve's
+    exactness is checked in every run that has one)."""
+    from sae_env.cache import resolve_capacity
+    from sae_env.mrc import MissRatioCurve
+
+    t0 = time.perf_counter()
+    plain_lru = {a.name for a in config.agents if a.policy == "lru" and a.agent == "baseline" and not a.policy_options}
+    rows: list[dict[str, Any]] = []
+    checked = 0
+    for workload in config.workloads:
+        for seed in config.seeds:
+            cell = next(c for c in cells if c.workload == workload.name and c.seed == seed)
+            key = _trace_key(config, cell)
+            if key not in traces:
+                traces.update(_build_traces(config, [cell], log))
+            trace = traces[key]
+            distinct = trace.distinct_blocks()
+            configured = {resolve_capacity(c, distinct): c for c in config.capacities}
+            lo, hi = min(configured), max(configured)
+            dense = {int(round(c)) for c in np.geomspace(lo, hi, config.lru_curve)} if hi > lo else set()
+            try:
+                curve = MissRatioCurve.build(trace)
+            except ValueError as e:
+                log(f"lru_curve: workload {workload.name}: no curve ({e})")
+                continue
+            points = {c: curve.point(c) for c in sorted(dense | set(configured))}
+            rows += [{"workload": workload.name, "seed": seed, "capacity": configured.get(c), "capacity_blocks": c,
+                      **{k: v for k, v in p.to_dict().items() if k != "capacity"}} for c, p in points.items()]
+            for c in cells:
+                result = results.get(c.id)
+                if c.workload != workload.name or c.seed != seed or c.agent not in plain_lru or result is None:
+                    continue
+                s = result["summary"]
+                p = points.get(s["capacity_blocks"]) or curve.point(s["capacity_blocks"])
+                figures = ("hit_tokens", "hit_blocks", "evictions", "bypasses", "inserted")
+                if any(s[f] != getattr(p, f) for f in figures):
+                    raise RuntimeError(f"lru_curve disagrees with cell {c.id}: "
+                                       f"{ {f: (getattr(p, f), s[f]) for f in figures} } (curve, cell)")
+                checked += 1
+    _write_json(run_dir / "lru_curve.json", rows)
+    log(f"lru_curve: {len(rows)} points from one pass per trace in {time.perf_counter() - t0:.2f} s; equal to the "
+        f"{checked} lru cell(s) at their capacities -> {run_dir / 'lru_curve.json'}")
 
 
 def _build_traces(config: ExperimentConfig, cells: list[Cell], log: Callable[[str], None]) -> dict[str, Trace]:

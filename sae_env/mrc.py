@@ -26,8 +26,10 @@ for request.
 
 The argument needs each key to have one parent (chained keys, as every source builds them) and no request to name
 a key twice; :meth:`MissRatioCurve.build` raises ``ValueError`` for a trace without them (a replay is the way then).
-Misses after eviction (the ghost record) and timed serving (requests overlap, pins last) are not covered: those
-need a replay.
+Not covered, and left to a replay: misses after eviction (the ghost record's bound and a bypassed run's unread
+ghosts depend on the capacity) and timed serving, where LRU is not a stack algorithm at all (requests in flight
+together pin their paths until completion and insert outputs later; ``tests/test_mrc.py`` has a trace whose LRU hits
+are lower at 12 blocks than at 11 or 13, which inclusion forbids).
 
 numba (the ``fast`` extra) compiles the two kernels; without it they run as plain Python, correct but slow.
 """

@@ -11,6 +11,7 @@ pinned), and on every embedded real trace.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -213,3 +214,73 @@ def test_bad_ranges_exit_2_with_one_clear_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err and len([x for x in err.splitlines() if x.startswith("error:")]) == 1
     assert "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# experiments: `lru_curve` in a config (configs/capacity_sweep.yaml)
+
+
+def _curve_config(tmp_path, **extra) -> dict:
+    return {"name": "curve", "workloads": [{"name": "wildchat", "trace": "wildchat"}], "capacities": [0.02, 0.2],
+            "agents": ["lru", "fifo"], "serving": "instant", "window": 200, "seeds": [0],
+            "output": str(tmp_path / "runs"), "wandb": {"mode": "disabled"}, **extra}
+
+
+def test_an_experiment_with_lru_curve_writes_it_and_checks_it_against_the_lru_cells(tmp_path):
+    from agents import CellRunner
+    from sae_env.experiment import load_config, run_experiment
+
+    runner = CellRunner()
+    config = load_config(_curve_config(tmp_path, lru_curve=12), runner)
+    plain = load_config(_curve_config(tmp_path), runner)
+    assert config.results_key() == plain.results_key()  # the curve decides no cell: same run folder, same cells
+    assert "lru_curve" not in plain.to_dict()
+    logs: list[str] = []
+    run = run_experiment(config, runner, serial=True, progress=False, log=logs.append)
+    rows = json.loads((run.run_dir / "lru_curve.json").read_text())
+    assert 12 <= len(rows) <= 14 and any("equal to the 2 lru cell(s)" in m for m in logs)
+    trace, _ = open_trace("wildchat")
+    for row in rows:
+        assert row["hit_tokens"] == replayed(trace, row["capacity_blocks"])["hit_tokens"]
+    lru = {r["capacity"]: r for r in rows if r["capacity"] is not None}
+    for cid, result in run.results.items():
+        if "__lru__" in cid:
+            assert result["summary"]["token_hit_rate"] == lru[result["cell"]["capacity"]]["token_hit_rate"]
+
+    # the check can fail: a finished lru cell that disagrees with the curve (edited here) stops the run
+    cell = next(run.run_dir.glob("cells/*__lru__*.json"))
+    data = json.loads(cell.read_text())
+    data["summary"]["hit_tokens"] += 16
+    cell.write_text(json.dumps(data))
+    with pytest.raises(RuntimeError, match="lru_curve disagrees with cell"):
+        run_experiment(config, runner, serial=True, progress=False, log=logs.append)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"lru_curve": 1}, "lru_curve: the number of capacities must be a whole number in [2,"),
+    ({"lru_curve": "many"}, "lru_curve: the number of capacities"),
+    ({"lru_curve": 10, "serving": "qwen2.5-1.5b@a40"}, "exact in instant serving only"),
+])
+def test_bad_lru_curve_settings_are_config_errors(tmp_path, extra, message):
+    from sae_env.experiment import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(_curve_config(tmp_path, **extra))
+
+
+def test_timed_serving_is_not_a_stack_algorithm():
+    """Why the curve is for instant serving only: with requests in flight together (pins held until completion,
+    outputs inserted later), LRU's hits are not monotone in the capacity, which no stack algorithm allows. Found by
+    hypothesis: four requests at t=0, a fifth at t=1 hits its first block at 11 and 13 blocks but not at 12."""
+    from sae_env.serving import make_server
+
+    trace = build_trace([[2, 0], [2, 0, 0, 0], [1, 0], [0, 0, 0, 0, 0, 0], [2, 0, 0]],
+                        [[0], [], [1, 0, 0], [0], []], [0, 0, 0, 0, 1.0], out_extra=[1] * 5)
+
+    def last_hit(capacity: int) -> int:
+        r = replay(trace, make_policy("lru"), capacity, server=make_server("qwen2.5-1.5b@a40"))
+        return r.windows[-1].hits_per_request[-1]
+
+    assert (last_hit(11), last_hit(12), last_hit(13)) == (1, 0, 1)
+    instant = [p.hit_blocks for p in lru_curve(trace, range(1, 20))]  # instant serving: monotone, as it must be
+    assert instant == sorted(instant) and instant[-1] > instant[0]
