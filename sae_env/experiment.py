@@ -37,7 +37,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
 
 from sae_env.config import (
@@ -365,47 +364,20 @@ def _trace_key(config: ExperimentConfig, cell: Cell) -> str:
 
 def _write_lru_curves(config: ExperimentConfig, run_dir: Path, cells: list[Cell], results: dict[str, dict[str, Any]],
                       traces: dict[str, Trace], log: Callable[[str], None]) -> None:
-    """``lru_curve.json``: LRU's figures at ``config.lru_curve`` capacities (geometric from the smallest to the
-    largest of the config's, which are included) per workload and seed, from one pass each (:mod:`sae_env.mrc`).
-    Every finished plain ``lru`` cell must equal the curve at its capacity (RuntimeError if not: the curve's
-    exactness is checked in every run that has one)."""
-    from sae_env.cache import resolve_capacity
-    from sae_env.mrc import MissRatioCurve
+    """``lru_curve.json``: LRU's curve per workload and seed, checked against the finished lru cells
+    (:func:`sae_env.mrc.experiment_curves`)."""
+    from sae_env.mrc import experiment_curves
 
     t0 = time.perf_counter()
-    plain_lru = {a.name for a in config.agents if a.policy == "lru" and a.agent == "baseline" and not a.policy_options}
-    rows: list[dict[str, Any]] = []
-    checked = 0
-    for workload in config.workloads:
-        for seed in config.seeds:
-            cell = next(c for c in cells if c.workload == workload.name and c.seed == seed)
-            key = _trace_key(config, cell)
-            if key not in traces:
-                traces.update(_build_traces(config, [cell], log))
-            trace = traces[key]
-            distinct = trace.distinct_blocks()
-            configured = {resolve_capacity(c, distinct): c for c in config.capacities}
-            lo, hi = min(configured), max(configured)
-            dense = {int(round(c)) for c in np.geomspace(lo, hi, config.lru_curve)} if hi > lo else set()
-            try:
-                curve = MissRatioCurve.build(trace)
-            except ValueError as e:
-                log(f"lru_curve: workload {workload.name}: no curve ({e})")
-                continue
-            points = {c: curve.point(c) for c in sorted(dense | set(configured))}
-            rows += [{"workload": workload.name, "seed": seed, "capacity": configured.get(c), "capacity_blocks": c,
-                      **{k: v for k, v in p.to_dict().items() if k != "capacity"}} for c, p in points.items()]
-            for c in cells:
-                result = results.get(c.id)
-                if c.workload != workload.name or c.seed != seed or c.agent not in plain_lru or result is None:
-                    continue
-                s = result["summary"]
-                p = points.get(s["capacity_blocks"]) or curve.point(s["capacity_blocks"])
-                figures = ("hit_tokens", "hit_blocks", "evictions", "bypasses", "inserted")
-                if any(s[f] != getattr(p, f) for f in figures):
-                    raise RuntimeError(f"lru_curve disagrees with cell {c.id}: "
-                                       f"{ {f: (getattr(p, f), s[f]) for f in figures} } (curve, cell)")
-                checked += 1
+    first: dict[tuple[str, int], Cell] = {}  # each trace's first cell, in the config's order
+    for c in cells:
+        first.setdefault((c.workload, c.seed), c)
+    missing = [c for c in first.values() if _trace_key(config, c) not in traces]
+    traces.update(_build_traces(config, missing, log) if missing else {})
+    done = [(c.workload, c.seed, c.agent, results[c.id]["summary"]) for c in cells if c.id in results]
+    plain = {a.name for a in config.agents if a.policy == "lru" and a.agent == "baseline" and not a.policy_options}
+    rows, checked = experiment_curves(config.capacities, config.lru_curve, {k: traces[_trace_key(config, c)]
+                                      for k, c in first.items()}, done, plain, log)
     _write_json(run_dir / "lru_curve.json", rows)
     log(f"lru_curve: {len(rows)} points from one pass per trace in {time.perf_counter() - t0:.2f} s; equal to the "
         f"{checked} lru cell(s) at their capacities -> {run_dir / 'lru_curve.json'}")

@@ -36,7 +36,7 @@ numba (the ``fast`` extra) compiles the two kernels; without it they run as plai
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -52,7 +52,8 @@ except ImportError:  # pragma: no cover - exercised only where numba is not inst
     def _jit(f):
         return f
 
-__all__ = ["DEFAULT_POINTS", "CurvePoint", "MissRatioCurve", "capacity_range", "is_range", "lru_curve"]
+__all__ = ["DEFAULT_POINTS", "CurvePoint", "MissRatioCurve", "capacity_range", "experiment_curves", "is_range",
+           "lru_curve"]
 
 DEFAULT_POINTS = 20  # capacities in a range LO:HI given without a count
 MAX_POINTS = 10_000
@@ -306,3 +307,41 @@ def capacity_range(text: str, distinct_blocks: int, kv_bytes_per_token: int | No
         raise ValueError(f"capacity range {text!r}: the low end ({lo} blocks) must be below the high end ({hi} "
                          "blocks)")
     return sorted({int(round(c)) for c in np.geomspace(lo, hi, n)} | {lo, hi})
+
+
+def experiment_curves(capacities: Sequence[Any], points: int, traces: Mapping[tuple[str, int], Trace],
+                      done: Sequence[tuple[str, int, str, Mapping[str, Any]]], plain_lru: set[str],
+                      log: Callable[[str], None]) -> tuple[list[dict[str, Any]], int]:
+    """An experiment's ``lru_curve``: per (workload, seed) trace, LRU at ``points`` capacities spaced geometrically
+    from the smallest to the largest of the config's ``capacities`` (which are included, labelled ``capacity``).
+    ``done`` lists the finished cells as (workload, seed, agent, summary): each one whose agent is in ``plain_lru``
+    (lru, default options) must equal the curve at its capacity, or RuntimeError (the curve's exactness is checked
+    in every run that has one). Returns the rows and how many cells were checked."""
+    from sae_env.cache import resolve_capacity
+
+    figures = ("hit_tokens", "hit_blocks", "evictions", "bypasses", "inserted")
+    rows: list[dict[str, Any]] = []
+    checked = 0
+    for (workload, seed), trace in traces.items():
+        try:
+            curve = MissRatioCurve.build(trace)
+        except ValueError as e:
+            log(f"lru_curve: workload {workload}: no curve ({e})")
+            continue
+        configured = {resolve_capacity(c, trace.distinct_blocks()): c for c in capacities}
+        lo, hi = min(configured), max(configured)
+        dense = {int(round(c)) for c in np.geomspace(lo, hi, points)} if hi > lo else set()
+        for c in sorted(dense | set(configured)):
+            point = {k: v for k, v in curve.point(c).to_dict().items() if k != "capacity"}
+            rows.append({"workload": workload, "seed": seed, "capacity": configured.get(c), "capacity_blocks": c,
+                         **point})
+        for w, s, agent, summary in done:
+            if (w, s) != (workload, seed) or agent not in plain_lru:
+                continue
+            p = curve.point(summary["capacity_blocks"])
+            if any(summary[f] != getattr(p, f) for f in figures):
+                diff = {f: (getattr(p, f), summary[f]) for f in figures}
+                raise RuntimeError(f"lru_curve disagrees with the {agent} cell of {w}, seed {s}, capacity "
+                                   f"{summary['capacity_blocks']}: {diff} (curve, cell)")
+            checked += 1
+    return rows, checked

@@ -252,7 +252,7 @@ def test_an_experiment_with_lru_curve_writes_it_and_checks_it_against_the_lru_ce
     data = json.loads(cell.read_text())
     data["summary"]["hit_tokens"] += 16
     cell.write_text(json.dumps(data))
-    with pytest.raises(RuntimeError, match="lru_curve disagrees with cell"):
+    with pytest.raises(RuntimeError, match="lru_curve disagrees with the lru cell"):
         run_experiment(config, runner, serial=True, progress=False, log=logs.append)
 
 
