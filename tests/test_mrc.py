@@ -102,7 +102,9 @@ def test_single_block_streams_are_mattson(capacity):
 def test_equal_to_replays_on_every_embedded_trace(name):
     trace, _ = open_trace(name)
     distinct = trace.distinct_blocks()
-    capacities = sorted({max(1, int(f * distinct)) for f in (0.01, 0.05, 0.2, 0.6)} | {1, 64})
+    # 60 % on the large traces too would double this file's run time (azure's million distinct blocks) for no new case
+    fractions = (0.01, 0.05, 0.2) if trace.n_blocks > 500_000 else (0.01, 0.05, 0.2, 0.6)
+    capacities = sorted({max(1, int(f * distinct)) for f in fractions} | {1, 64})
     assert_equal_at(trace, capacities)
 
 
