@@ -31,7 +31,7 @@ ghosts depend on the capacity) and timed serving, where LRU is not a stack algor
 together pin their paths until completion and insert outputs later; ``tests/test_mrc.py`` has a trace whose LRU hits
 are lower at 12 blocks than at 11 or 13, which inclusion forbids).
 
-numba (the ``fast`` extra) compiles the two kernels; without it they run as plain Python, correct but slow.
+numba (the ``fast`` extra) compiles the kernels; without it they run as plain Python, correct but slow.
 """
 
 from __future__ import annotations
