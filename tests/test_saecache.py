@@ -195,6 +195,23 @@ def run(trace: Trace, capacity: int, *, timed: bool = False, window_requests: in
     return r, a
 
 
+def test_a_prefix_use_at_the_instant_of_earlier_evictions_rescores_structural_blocks():
+    """Found by hypothesis: every request at t = 0, a structural prefix used again between two evictions of that
+    instant. Its reuse rate moves, so structural scores must not come from the memo of the instant's earlier
+    evictions (they did: a structural block went before a chat block of lower density)."""
+    keys = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 4, 4, 5, 6, 4, 4, 1, 2, 3, 1, 2, 3, 7]
+    types = [2, 0, 0, 2, 0, 0, 2, 0, 0, 2, 0, 0, 0, 0, 2, 0, 0, 0, 2, 0, 0, 2, 0, 0, 1]
+    offsets = [0, 3, 3, 3, 3, 3, 3, 6, 6, 9, 12, 13, 16, 17, 18, 21, 24, 25]
+    n = len(offsets) - 1
+    session = np.array([-1] * 6 + [1000, -1, 1000, 1000, -1, -1, -1, -1, 1000, 1000, -1])
+    turn = np.where(session > 0, 2, 1).astype(np.int32)
+    trace = Trace(t=np.zeros(n), session=session, turn=turn, app=np.zeros(n, dtype=np.int8),
+                  prompt_tokens=np.diff(offsets) * BS, output_tokens=np.zeros(n, dtype=np.int64),
+                  prompt_offsets=np.array(offsets), prompt_keys=np.array(keys, dtype=np.int64),
+                  prompt_types=np.array(types, dtype=np.int8), block_size=BS)
+    run(trace, 5, strict_temporal=True, lognormal=False, continuation_features=False, predictor=None, sample=1)
+
+
 def record_victims(policy) -> list[int]:
     """Wrap ``policy.evict`` so that the victims' keys are appended, in order, to the returned list."""
     victims: list[int] = []

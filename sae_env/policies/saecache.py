@@ -371,6 +371,7 @@ class SAECachePolicy(EvictionPolicy):
                 for g in [g for g in self._consts if _queue_of(g) == ST]:
                     del self._consts[g]  # their density moved: rescored at the next eviction
                 self._cand_now = None
+                self._memo_now = None  # the memo holds their old scores, also at this same instant
 
     def _add_gap(self, q: int, gap: float) -> None:
         lg = math.log(gap)
