@@ -735,7 +735,7 @@ def test_density_priority_matches_a_direct_computation():
             b.pdata = q * 8 + t + saecache._SLOT * slot
         mu, sigma = {CH: (PARAMS["mu_chat"], PARAMS["sigma_chat"]), AG: (PARAMS["mu_agent"], PARAMS["sigma_agent"]),
                      ST: (3.4, 2.0)}[q]
-        p = saecache._slot_p(slot) if q != ST else policy._p_structural
+        p = saecache._slot_p(slot) if q != ST else policy.arrivals.p_structural
 
         def sf(y, mu=mu, sigma=sigma):
             return lognorm.sf(y, s=sigma, scale=math.exp(mu))

@@ -217,6 +217,7 @@ class FastEngine:
         core, sv = self.core, self.sv
         core.cnt[:] = 0
         self.twin.begin_window()
+        self.twin.prepare(a, b)
         if self.timed:
             sv.si[srv.NOUT] = 0
         run = kernel("run_window", type(self.twin.state), TIMED=self.timed)

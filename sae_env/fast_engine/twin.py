@@ -22,7 +22,8 @@ from sae_env.trace import Trace
 __all__ = ["Twin", "register", "twin_class"]
 
 # The modules that define twins (imported on first use: they compile nothing until a kernel runs).
-_MODULES = ("sae_env.fast_engine.baselines", "sae_env.fast_engine.oracles", "sae_env.fast_engine.lpc")
+_MODULES = ("sae_env.fast_engine.baselines", "sae_env.fast_engine.oracles", "sae_env.fast_engine.lpc",
+            "sae_env.fast_engine.saecache")
 _TWINS: dict[type, type[Twin]] = {}
 
 
@@ -70,6 +71,9 @@ class Twin:
     def export(self, n: int, core: Any) -> dict[str, Any]:
         """The state as the policy's ``import_state`` takes it (slot ``i`` = block ``i``)."""
         raise NotImplementedError
+
+    def prepare(self, a: int, b: int) -> None:
+        """Requests ``a .. b-1`` are served next (a twin that computes per-request inputs ahead does it here)."""
 
     def begin_window(self) -> None:
         """The replay starts a window (the policy's ``reset_window``)."""

@@ -258,6 +258,37 @@ class ContinuationModel:
         self.beta = beta
         self._zb = None
 
+    # -- the state contract (sae_env.state): everything but what bind() derives from the trace ---------------
+    def export_state(self) -> dict[str, object]:
+        pending = self._pending
+        return {"beta": self.beta.copy(), "rates": self.rates.copy(), "continued": np.array(self._continued),
+                "ended": np.array(self._ended), "n_pending": np.array(self._n_pending, dtype=np.int64),
+                "alive": np.array(self._alive, dtype=np.float64),
+                "pending": np.fromiter(pending.keys(), dtype=np.int64, count=len(pending)),
+                "pending_t": np.array([t for t, _ in pending.values()], dtype=np.float64),
+                "pending_w": np.array([w for _, w in pending.values()], dtype=np.float64),
+                "last_sessions": np.fromiter(self._last_of.keys(), dtype=np.int64, count=len(self._last_of)),
+                "last_requests": np.fromiter(self._last_of.values(), dtype=np.int64, count=len(self._last_of)),
+                "labelled": np.array([i for i, _ in self._labelled], dtype=np.int64),
+                "labels": np.array([y for _, y in self._labelled], dtype=np.float64),
+                # p() reads z @ beta computed over a block of rows from here: the same block, the same floats
+                "zb_from": -1 if self._zb is None else self._zb_from}
+
+    def import_state(self, state: dict[str, object]) -> None:
+        """Take back an exported state; :meth:`bind` must have been called with the same trace."""
+        self.beta = np.array(state["beta"], dtype=np.float64)
+        self.rates = np.array(state["rates"], dtype=np.float64)
+        self._rates = [float(r) for r in self.rates]
+        self._continued, self._ended = state["continued"].tolist(), state["ended"].tolist()
+        self._n_pending, self._alive = state["n_pending"].tolist(), state["alive"].tolist()
+        self._pending = {i: (t, w) for i, t, w in zip(state["pending"].tolist(), state["pending_t"].tolist(),
+                                                      state["pending_w"].tolist(), strict=True)}
+        self._last_of = dict(zip(state["last_sessions"].tolist(), state["last_requests"].tolist(), strict=True))
+        self._labelled = list(zip(state["labelled"].tolist(), state["labels"].tolist(), strict=True))
+        zb_from = int(state["zb_from"])
+        self._zb = None if zb_from < 0 else self._z[zb_from:zb_from + 1024] @ self.beta
+        self._zb_from = max(zb_from, 0)
+
     def stats(self) -> dict[str, object]:
         return {"rates": self.rates[1:].tolist(), "beta": self.beta.tolist(), "pending": len(self._pending),
                 "labelled": int(sum(self._continued) + sum(self._ended))}

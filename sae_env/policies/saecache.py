@@ -51,7 +51,7 @@ type, ``mu_chat, sigma_chat, mu_agent, sigma_agent``, ``gamma``, ``mu_structural
 learners that set them after every window live in :mod:`agents.sae_online` (this module only measures what they
 need, in :meth:`window_stats`). The continuation model, the shared prefixes' reuse rate and the turnover time are
 the policy's own online estimates, part of the ranking as LPC's rates are part of LPC: updated at every arrival,
-refitted every ``_REFIT_EVERY`` arrivals whatever the replay's window (see ``_refit``).
+refitted every ``REFIT_EVERY`` arrivals whatever the replay's window (see ``_refit``).
 
 Switches (ablations): ``continuation`` (off: p = 1, no continuation model), ``density`` (off: the paper's
 ``p_q / dt``), ``continuation_features`` (off: per-turn rates only), ``censoring`` (off: a pending session counts
@@ -75,35 +75,26 @@ import heapq
 import inspect
 import math
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from sae_env.block import TYPE_SLOTS, Block, split_queue_type
-from sae_env.policies.base import EvictionPolicy, ParamSpec
-from sae_env.policies.continuation import ContinuationModel
+from sae_env.policies.arrivals import AG, CH, N_QUEUES, PE, QUEUES, ST, Arrivals, Predictor, slot_p
+from sae_env.policies.base import EvictionPolicy, ParamSpec, block_array
 from sae_env.policies.survival import ExponentialGaps, LognormalGaps
-from sae_env.trace import N_TOKEN_TYPES, AppType, TokenType, Trace
+from sae_env.trace import N_TOKEN_TYPES, TokenType, Trace
 
-PE, ST, CH, AG = 0, 1, 2, 3
-QUEUES = ("priority_eviction", "structural", "chat", "agent")
-N_QUEUES = len(QUEUES)
+__all__ = ["AG", "CH", "GROUP_SLOT", "PAPER", "PARAM_SPECS", "PE", "QUEUES", "ST", "Predictor", "SAECachePaperPolicy",
+           "SAECachePolicy", "gap_models"]
+
 _SQRT2 = math.sqrt(2.0)
 _STRUCTURAL_TYPES = (TokenType.SYSTEM, TokenType.TEMPLATE)
 _COMPACT_MIN = 1 << 18  # released blocks before the first compaction of the recency lists (a few MB of entries)
-_REFIT_EVERY = 64  # arrivals between refits of the turnover time and the continuation model (see _refit)
 _CONSTANT, _LOGNORMAL, _EXPONENTIAL, _POSITION, _DENSITY = range(5)  # kinds of ranking term (see _constants)
-# Continuation probabilities are binned on the logit scale: blocks of one bin share their ranking constants, so a
-# group (queue, type, bin) has one score function of the idle time (see _best).
-_BIN = 0.5  # bin width in logit units
-_LOGIT_MAX = 7.0  # bins cover p in [sigmoid(-7), sigmoid(7)] = [0.0009, 0.9991]
-_N_SLOTS = int(2 * _LOGIT_MAX / _BIN) + 1  # slots 1 .. _N_SLOTS; slot 0 = no continuation probability (p = 1)
-_SLOT = 64  # group id = queue_type_code(queue, type) + _SLOT * slot: the code fits below _SLOT
+GROUP_SLOT = _SLOT = 64  # group id = queue_type_code(queue, type) + _SLOT * slot: the code fits below _SLOT
 _REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)  # plain ints: enum lookups cost more
-
-# A session predictor answers, for a session's first request, (P(continues as chat), P(continues as agent)).
-Predictor = Callable[[Trace, int], tuple[float, float]]
+_slot_p = slot_p
 
 PARAM_SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("alpha_st", 0.05, 20.0, 1.0, log=True, doc="queue weight, structural"),
@@ -124,20 +115,6 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
 def _queue_of(g: int) -> int:
     """The queue of a group id."""
     return split_queue_type(g % _SLOT)[0]
-
-
-def _slot_of(p: float) -> int:
-    """The logit bin (1 .. _N_SLOTS) of a continuation probability."""
-    x = math.log(p / (1.0 - p)) if 0.0 < p < 1.0 else (_LOGIT_MAX if p >= 1.0 else -_LOGIT_MAX)
-    x = min(max(x, -_LOGIT_MAX), _LOGIT_MAX)
-    return 1 + int(round((x + _LOGIT_MAX) / _BIN))
-
-
-def _slot_p(slot: int) -> float:
-    """The continuation probability a bin stands for (its centre); slot 0 = 1."""
-    if slot == 0:
-        return 1.0
-    return 1.0 / (1.0 + math.exp(-((slot - 1) * _BIN - _LOGIT_MAX)))
 
 
 class _RecencyList:
@@ -190,8 +167,12 @@ class SAECachePolicy(EvictionPolicy):
         self.continue_threshold = continue_threshold
         self.sample = int(sample)
         self.min_dt = float(min_dt)
-        self._model = (ContinuationModel(features=continuation_features, censoring=censoring, predictor=self.predictor)
-                       if self._continuation else None)
+        # What is learned from the arrivals alone (the continuation model, the sessions' gaps, the shared
+        # prefixes' reuse rate): public, as the compiled twin runs it ahead of its request loop.
+        self.arrivals = Arrivals(multi_queue=multi_queue, continuation=continuation, density=density,
+                                 continuation_features=continuation_features, censoring=censoring,
+                                 pe_routing=pe_routing, continue_threshold=continue_threshold,
+                                 predictor=self.predictor)
         self._lists: dict[int, _RecencyList] = {}  # group (queue-type code + _SLOT * slot) -> recency list
         self._returned: dict[int, list[tuple[int, int, Block]]] = {}  # group -> heap of (stamp, key, block)
         self._returned_new: dict[int, list[tuple[int, int, Block]]] = {}  # same blocks, newest first (-stamp)
@@ -221,18 +202,9 @@ class SAECachePolicy(EvictionPolicy):
         self._slot = 0  # continuation bin of the current request (0: none)
         self._n_prompt = 1
         self._now = 0.0  # latest arrival
-        self._sessions: dict[int, tuple[float, int]] = {}  # session -> (last arrival, queue of its blocks)
         self._inflight: dict[int, tuple[int, int]] = {}  # request -> (queue, slot) chosen at its arrival
         self._output_reasoning = False  # the completing request's output holds reasoning
         self._occupancy = [0] * N_QUEUES
-        self._facts_of: Trace | None = None  # the trace whose per-request facts are cached (see _learn_trace)
-        # Shared prefixes (the structural queue under ``density``): when each was last used, how often a use was
-        # followed by another one (its continuation rate, counted as LPC counts turns).
-        self._prefix_last: dict[int, float] = {}
-        self._prefix_uses = 0
-        self._prefix_reused = 0
-        self._p_structural = 0.5
-        self._arrivals = 0
         # The cache's turnover time (capacity / blocks inserted per second): how long a block stays anyway, the
         # horizon of the hit density. Before the first measurement, the chat queue's mean gap.
         self._horizon: float | None = None
@@ -251,11 +223,10 @@ class SAECachePolicy(EvictionPolicy):
         ones = [1.0] * N_QUEUES
         self._alpha = ([1.0, p["alpha_st"], p["alpha_ch"], p["alpha_ag"]] if sw["adaptive_alpha"] else ones)
         self._w = ([p[f"w_{t.name.lower()}"] for t in TokenType] if sw["type_weights"] else [1.0] * N_TOKEN_TYPES)
-        self._ln = {CH: (p["mu_chat"], p["sigma_chat"]), AG: (p["mu_agent"], p["sigma_agent"]),
-                    ST: (p["mu_structural"], p["sigma_structural"])}
+        self._ln = _lognormal_params(p)
         self._exp_mean = {q: math.exp(mu + s * s / 2) for q, (mu, s) in self._ln.items()}
-        self._gaps = {q: (LognormalGaps(mu, s) if sw["lognormal"] else ExponentialGaps(self._exp_mean[q]))
-                      for q, (mu, s) in self._ln.items()}
+        self._gaps = gap_models(p, sw["lognormal"])
+        self.arrivals.gaps = (self._gaps[CH], self._gaps[AG])
         self._gamma = p["gamma"]
         # per group: (PE flag, ranking kind, its two constants, alpha * w), see _constants
         self._consts: dict[int, tuple[int, int, Any, Any, float]] = {}
@@ -268,7 +239,7 @@ class SAECachePolicy(EvictionPolicy):
             sw = self.switches
             q, t = split_queue_type(g % _SLOT)
             if self._density and q != PE:
-                p = self._p_structural if q == ST else _slot_p(g // _SLOT)
+                p = self.arrivals.p_structural if q == ST else slot_p(g // _SLOT)
                 kind, c1, c2 = _DENSITY, self._gaps[q], p
             elif q == CH or q == AG:
                 mu, sigma = self._ln[q]
@@ -293,104 +264,38 @@ class SAECachePolicy(EvictionPolicy):
 
     # -- routing ---------------------------------------------------------------------------------------------
     def bind(self, trace: Trace) -> None:
-        self._learn_trace(trace)
-        if self._model is not None:
-            self._model.bind(trace)
-
-    def _learn_trace(self, trace: Trace) -> None:
-        """Per-request facts the hooks need, as Python lists: reading them from numpy per request costs more."""
-        self._facts_of = trace
-        self._app_of = trace.app.tolist()
-        self._turn_of = trace.turn.tolist()
-        self._session_of = trace.session.tolist()
-        self._n_prompt_of = np.maximum(np.diff(trace.prompt_offsets), 1).tolist()
-        self._templated_of = _any_per_request(trace.prompt_types == TokenType.TEMPLATE, trace.prompt_offsets)
-        self._reasoning_of = _any_per_request(trace.output_types == TokenType.REASONING, trace.output_offsets)
-        self._prefix_of = _structural_prefix_end(trace)
-
-    def _session_queue(self, trace: Trace, i: int) -> int:
-        """Queue of a request's temporal blocks: CH / AG for (predicted) multi-turn sessions, else PE."""
-        if not self.switches["multi_queue"]:
-            return CH
-        if trace is not self._facts_of:
-            self._learn_trace(trace)
-        app, turn = self._app_of[i], self._turn_of[i]
-        if self._continuation or turn > 1:
-            return AG if app == AppType.AGENT else CH
-        if self.predictor is not None:
-            p_chat, p_agent = self.predictor(trace, i)
-            if max(p_chat, p_agent) >= self.continue_threshold:
-                return AG if p_agent > p_chat else CH
-            return PE
-        # By rule, from what the request shows: tool schemas mark an agent call; a templated prompt (TEMPLATE
-        # blocks) an API-style single-turn request; anything else may be the start of a conversation.
-        if app == AppType.AGENT:
-            return AG
-        return PE if self._templated_of[i] else CH
+        self.arrivals.bind(trace)
 
     def on_request(self, trace: Trace, i: int, now: float) -> None:
-        if trace is not self._facts_of:
-            self.bind(trace)
+        arrivals = self.arrivals
         self._now = now
         if self._window_t0 is None:
             self._window_t0 = now
-        self._arrivals += 1
-        if (self._density or self._model is not None) and self._arrivals % _REFIT_EVERY == 0:
+        q, slot, refit, structural = arrivals.arrive(trace, i, now)  # binds the trace first if it is new
+        if refit:
             self._refit(now)
-        q = self._session_queue(trace, i)
-        slot = 0
-        if self._model is not None:
-            p = self._model.arrive(i, now)
-            if self.switches["pe_routing"] and self._multi and p < self.continue_threshold:
-                q = PE
-            if self._density:
-                slot = _slot_of(p)
         self._inflight[i] = (q, slot)
         self._prompt_queue = self._output_queue = q
         self._slot = slot
-        self._n_prompt = self._n_prompt_of[i]
-        s = self._session_of[i]
-        if s >= 0:
-            last = self._sessions.get(s)
-            if last is not None and q in (CH, AG):
-                gap = now - last[0]
-                if gap > 0:
-                    self._add_gap(q, gap)
-            self._sessions[s] = (now, q)
-        if self._density:
-            key = self._prefix_of[i]
-            if key is not None:
-                self._prefix_uses += 1
-                last_use = self._prefix_last.get(key)
-                if last_use is not None:
-                    self._prefix_reused += 1
-                    if now > last_use:
-                        self._add_gap(ST, now - last_use)
-                self._prefix_last[key] = now
-                self._p_structural = (self._prefix_reused + 1.0) / (self._prefix_uses + 2.0)
-                for g in [g for g in self._consts if _queue_of(g) == ST]:
-                    del self._consts[g]  # their density moved: rescored at the next eviction
-                self._cand_now = None
-                self._memo_now = None  # the memo holds their old scores, also at this same instant
-
-    def _add_gap(self, q: int, gap: float) -> None:
-        lg = math.log(gap)
-        st = self._gap_stats[q]
-        st[0] += 1
-        st[1] += lg
-        st[2] += lg * lg
+        self._n_prompt = arrivals.n_prompt_of[i]
+        if structural:
+            for g in [g for g in self._consts if _queue_of(g) == ST]:
+                del self._consts[g]  # their density moved: rescored at the next eviction
+            self._cand_now = None
+            self._memo_now = None  # the memo holds their old scores, also at this same instant
 
     def on_complete(self, trace: Trace, i: int, now: float) -> None:
-        if trace is not self._facts_of:
+        arrivals = self.arrivals
+        if trace is not arrivals.trace:
             self.bind(trace)
         # A generation that opens with reasoning, which the next turn's template drops: every block of this output
         # (the answer too) lies on a branch no later prompt follows.
-        self._output_reasoning = self._reasoning_of[i]
+        self._output_reasoning = arrivals.reasoning_of[i]
         ctx = self._inflight.pop(i, None)
         if ctx is None:
-            ctx = (self._session_queue(trace, i), self._slot)
+            ctx = (arrivals.session_queue(trace, i), self._slot)
         self._output_queue, self._slot = ctx
-        self._n_prompt = self._n_prompt_of[i]
+        self._n_prompt = arrivals.n_prompt_of[i]
 
     def on_insert(self, block: Block, now: float) -> None:
         t = block.type
@@ -775,13 +680,11 @@ class SAECachePolicy(EvictionPolicy):
         """Start a window: the counts the learners read start over."""
         self._flush()
         self._queue_hits = [0] * N_QUEUES
-        # per queue: [n, sum ln gap, sum ln^2 gap] of re-access gaps: session inter-turn gaps (chat, agent), gaps
-        # between uses of a shared prefix (structural)
-        self._gap_stats = {CH: [0, 0.0, 0.0], AG: [0, 0.0, 0.0], ST: [0, 0.0, 0.0]}
+        self.arrivals.reset_window()
 
     def _refit(self, now: float) -> None:
-        """Every ``_REFIT_EVERY`` arrivals, whatever the replay's window: the cache's turnover time and the
-        continuation model (its soft labels and correction) are re-estimated from everything observed so far."""
+        """Every ``REFIT_EVERY`` arrivals, whatever the replay's window: the cache's turnover time is re-estimated
+        (the continuation model, its soft labels and correction, were refitted by ``arrivals``)."""
         elapsed = now - self._window_t0
         if elapsed > 0 and self._window_inserted:
             rate = self._window_inserted / elapsed
@@ -790,8 +693,6 @@ class SAECachePolicy(EvictionPolicy):
             self._window_t0 = now
         if self._ins_rate:
             self._horizon = self.cache.capacity / self._ins_rate
-        if self._model is not None:
-            self._model.update(now, (self._gaps[CH], self._gaps[AG]))
         self._changed()
 
     def _changed(self) -> None:
@@ -810,15 +711,89 @@ class SAECachePolicy(EvictionPolicy):
         return {q: n for q, n in enumerate(self._occupancy) if n}
 
     def window_stats(self) -> dict[str, Any]:
-        out = {"queue_hits": list(self._queue_hits), "queue_occupancy": list(self._occupancy),
-               "gap_stats": {QUEUES[q]: list(v) for q, v in self._gap_stats.items()},
-               "params": self.params}
-        if self._density:
-            out["horizon_s"] = self.horizon
-            out["p_structural"] = self._p_structural
-        if self._model is not None:
-            out["continuation"] = self._model.stats()
+        return window_stats(self.arrivals, self._queue_hits, self._occupancy, self.params,
+                            self.horizon if self._density else None)
+
+    # -- the state contract (sae_env.state) ----------------------------------------------------------------
+    # Per block: its release stamp, where it waits (1: its group's recency list, 2: its group's returned-heaps,
+    # 0: pinned, or parked), and its group (chat and agent blocks, from their last release; -1 none). The lists and
+    # heaps are those sets in stamp order; the cached candidates are not state (every group is scanned afresh
+    # after an import, which chooses what they would).
+    def export_state(self, index: dict[int, int]) -> dict[str, Any]:
+        self._flush()
+        blocks = self.cache.blocks.values()
+        where = dict.fromkeys((b.key for lst in self._lists.values() for _, b in lst.live()
+                               if not b.n_children or (b.queue == ST and self._st_sampled)), 1)
+        where.update(dict.fromkeys((e[2].key for heap in self._returned.values() for e in heap
+                                    if e[2].stamp == e[0] and not e[2].pins and not e[2].n_children), 2))
+        temporal = (CH, AG)
+
+        def pos(b: Block | None) -> int:
+            return -1 if b is None or b.key not in index else index[b.key]
+
+        def opt(x: float | None) -> float:
+            return math.nan if x is None else x
+
+        inflight = self._inflight
+        out = {"stamp": block_array(blocks, index, lambda b: b.stamp),
+               "where": block_array(blocks, index, lambda b: where.get(b.key, 0)),
+               "group": block_array(blocks, index, lambda b: b.pdata if b.queue in temporal else None, default=-1),
+               "released": self._released, "compact_at": self._compact_at, "next_up": pos(self._next_up),
+               "next_stamp": self._next_stamp, "deferred": pos(self._deferred), "stale": int(self._stale),
+               "cand_now": opt(self._cand_now), "now": self._now, "prompt_queue": self._prompt_queue,
+               "output_queue": self._output_queue, "slot": self._slot, "n_prompt": self._n_prompt,
+               "output_reasoning": int(self._output_reasoning), "occupancy": np.array(self._occupancy),
+               "queue_hits": np.array(self._queue_hits), "horizon": opt(self._horizon),
+               "ins_rate": opt(self._ins_rate), "window_inserted": self._window_inserted,
+               "window_t0": opt(self._window_t0),
+               "inflight": np.fromiter(inflight.keys(), dtype=np.int64, count=len(inflight)),
+               "inflight_queue": np.array([q for q, _ in inflight.values()], dtype=np.int64),
+               "inflight_slot": np.array([s for _, s in inflight.values()], dtype=np.int64),
+               **self.arrivals.export_state()}
+        if self.switches["position_decay"]:  # a structural block's relative offset (unused otherwise)
+            out["offset"] = block_array(blocks, index, lambda b: b.pdata if b.queue == ST else None, np.float64)
         return out
+
+    def import_state(self, state: dict[str, Any], blocks: list[Block]) -> None:
+        def opt(x: float) -> float | None:
+            return None if math.isnan(x) else float(x)
+
+        offsets = state["offset"].tolist() if "offset" in state else [None] * len(blocks)
+        for b, stamp, g, x in zip(blocks, state["stamp"].tolist(), state["group"].tolist(), offsets, strict=True):
+            b.stamp = stamp
+            b.pdata = (g if g >= 0 else None) if b.queue in (CH, AG) else (x if b.queue == ST else None)
+        self._lists, self._returned, self._returned_new = {}, {}, {}
+        where = state["where"].tolist()
+        listed = sorted((b for b, w in zip(blocks, where, strict=True) if w == 1), key=lambda b: b.stamp)
+        for b in listed:
+            lst = self._list(self._group(b))
+            lst.stamps.append(b.stamp)
+            lst.blocks.append(b)
+        for b, w in zip(blocks, where, strict=True):
+            if w == 2:  # as _return pushes it (a parked structural block has its stamp back already)
+                g = self._group(b)
+                self._list(g)
+                heapq.heappush(self._returned.setdefault(g, []), (b.stamp, b.key, b))
+                if self._density and not (b.queue == ST and self._st_sampled):
+                    heapq.heappush(self._returned_new.setdefault(g, []), (-b.stamp, b.key, b))
+        self._dirty = set(self._lists)
+        self._cand, self._held, self._memo, self._consts = {}, {}, {}, {}
+        self._memo_now = None
+        self._released, self._compact_at = int(state["released"]), int(state["compact_at"])
+        self._next_up = blocks[state["next_up"]] if state["next_up"] >= 0 else None
+        self._next_stamp = int(state["next_stamp"])
+        self._deferred = blocks[state["deferred"]] if state["deferred"] >= 0 else None
+        self._stale, self._cand_now = bool(state["stale"]), opt(state["cand_now"])
+        self._now = float(state["now"])
+        self._prompt_queue, self._output_queue = int(state["prompt_queue"]), int(state["output_queue"])
+        self._slot, self._n_prompt = int(state["slot"]), int(state["n_prompt"])
+        self._output_reasoning = bool(state["output_reasoning"])
+        self._occupancy, self._queue_hits = state["occupancy"].tolist(), state["queue_hits"].tolist()
+        self._horizon, self._ins_rate = opt(state["horizon"]), opt(state["ins_rate"])
+        self._window_inserted, self._window_t0 = int(state["window_inserted"]), opt(state["window_t0"])
+        self._inflight = {i: (q, s) for i, q, s in zip(state["inflight"].tolist(), state["inflight_queue"].tolist(),
+                                                       state["inflight_slot"].tolist(), strict=True)}
+        self.arrivals.import_state(state)
 
     def check_invariants(self) -> None:
         """Every unpinned block is in exactly one place: live in its group's list, valid in its group's
@@ -870,6 +845,28 @@ class SAECachePolicy(EvictionPolicy):
             raise RuntimeError(f"saecache: occupancy {self._occupancy} != {occ}")
 
 
+def _lognormal_params(params: dict[str, float]) -> dict[int, tuple[float, float]]:
+    return {CH: (params["mu_chat"], params["sigma_chat"]), AG: (params["mu_agent"], params["sigma_agent"]),
+            ST: (params["mu_structural"], params["sigma_structural"])}
+
+
+def gap_models(params: dict[str, float], lognormal: bool = True) -> dict[int, LognormalGaps]:
+    """The gap distribution of the chat, agent and structural queues for SAECache's parameters (exponential with
+    the log-normal's mean when ``lognormal`` is off)."""
+    return {q: LognormalGaps(mu, s) if lognormal else ExponentialGaps(math.exp(mu + s * s / 2))
+            for q, (mu, s) in _lognormal_params(params).items()}
+
+
+def window_stats(arrivals: Arrivals, queue_hits: list[int], occupancy: list[int], params: dict[str, float],
+                 horizon: float | None) -> dict[str, Any]:
+    """SAECache's window statistics (what the online learners read), on either engine; ``horizon`` under
+    ``density`` only."""
+    out = {"queue_hits": list(queue_hits), "queue_occupancy": list(occupancy), "params": params}
+    if horizon is not None:
+        out["horizon_s"] = horizon
+    return arrivals.window_stats(out)
+
+
 # The paper's method: its ranking and routing, and its three multiplicative mechanisms.
 PAPER = {"continuation": False, "density": False, "type_weights": True, "adaptive_alpha": True, "position_decay": True}
 
@@ -908,23 +905,3 @@ def _live_end(lst: _RecencyList, end: int) -> Block | None:
         drop_s()
         drop_m()
     return None
-
-
-def _structural_prefix_end(trace: Trace) -> list[int | None]:
-    """Per request, the key of the last block of its leading run of SYSTEM / TEMPLATE blocks (its shared prefix),
-    or None: uses of one shared prefix are the re-accesses the structural queue's gap distribution describes."""
-    offsets = trace.prompt_offsets
-    lengths = np.diff(offsets)
-    req_of = np.repeat(np.arange(len(trace), dtype=np.int64), lengths)
-    pos = np.arange(trace.n_blocks, dtype=np.int64) - np.repeat(offsets[:-1], lengths)
-    run = lengths.astype(np.int64)  # the leading run ends at the first non-structural block
-    other = np.flatnonzero(trace.prompt_types > _TEMPLATE)
-    np.minimum.at(run, req_of[other], pos[other])
-    keys = trace.prompt_keys
-    return [int(keys[offsets[i] + r - 1]) if r > 0 else None for i, r in enumerate(run.tolist())]
-
-
-def _any_per_request(flags: np.ndarray, offsets: np.ndarray) -> list[bool]:
-    """Whether any of each request's blocks (CSR ``offsets``) has its flag set."""
-    counts = np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])
-    return (counts[offsets[1:]] > counts[offsets[:-1]]).tolist()

@@ -61,6 +61,11 @@ class LognormalGaps:
         self._mean = math.exp(self.mu + 0.5 * self.sigma * self.sigma)  # E[G]
         self._shift = self.mu + self.sigma * self.sigma  # E[G; G > x] = E[G] * Q((ln x - shift) / sigma)
 
+    def constants(self) -> tuple[float, float, float, float]:
+        """``(mu, sigma * sqrt 2, E[G], mu + sigma**2)``: what :meth:`density` computes with (a compiled copy of it
+        takes these, to compute the same floats)."""
+        return self.mu, self._s2, self._mean, self._shift
+
     def sf(self, dt: float) -> float:
         return 0.5 * math.erfc((math.log(dt) - self.mu) / self._s2) if dt > 0.0 else 1.0
 

@@ -1,0 +1,653 @@
+"""Compiled twin of ``saecache`` (:class:`~sae_env.policies.saecache.SAECachePolicy`, under its hit density: the
+default), with the same victims as the Python policy at every eviction.
+
+What the arrivals alone decide (each request's queue and continuation bin, the continuation model and its refits,
+the shared prefixes' reuse rate, the gap statistics; :class:`~sae_env.policies.arrivals.Arrivals`) does not depend
+on the cache: the twin runs it in Python ahead of each window and hands the kernel one row per request (queue, bin,
+whether the policy refits there, the structural continuation rate after it). Whatever depends on the cache is in
+the kernel, applied at the same request as the Python policy applies it: the turnover time (capacity over the
+insertion rate) re-estimated at each refit, the occupancy and hits per queue.
+
+Victims. The Python policy keeps, per group (queue, type when typed, continuation bin), its released leaves in a
+recency list and the blocks that became leaves later in returned-heaps, and scores three candidates per group: the
+list's head, the heaps' oldest top, and the group's newest block (its score rises, then falls, with idle time); the
+least ``(PE flag, score, release stamp)`` over the groups goes. Here both sets live in one treap over the slots
+keyed ``(group, set, stamp)``, which gives each of those candidates in O(log n); scores are computed by the same
+operations in the same order as :meth:`~sae_env.policies.survival.LognormalGaps.density` (numba calls the same
+libm). The Python policy's caches of candidates and scores are pure speed-ups (a fresh scan chooses the same); its
+shortcut (the parent of the last victim, released right after it into the same group, is taken without a scan
+when nothing moved since) is not always what a scan would choose on exact ties, so it is reproduced as is. Each
+group's best candidate is kept until its group changes, the clock moves or the constants change.
+
+Row columns: the release stamp, the group (set at release; -1 before), where the block waits (0: pinned or parked,
+1: its group's list, 2: its returned set) and the treap's links.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from sae_env.fast_engine.jit import implements, inline, jit
+from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, P0, P1, P2, P3, P4, P5, PARENT, PIN, QUEUE
+from sae_env.fast_engine.twin import Twin, register
+from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, ST, Arrivals, slot_p
+from sae_env.policies.saecache import GROUP_SLOT, SAECachePolicy, gap_models, window_stats
+from sae_env.trace import TokenType
+
+STAMP, GROUP, WHERE, LEFT, RIGHT, UP = P0, P1, P2, P3, P4, P5
+N_GROUPS = GROUP_SLOT * (N_SLOTS + 1)
+_REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)
+_TYPES = 8  # TYPE_SLOTS: queue_type_code = queue * 8 + type
+_TINY = 1e-300
+# Integer scalars: releases so far, the next victim's shortcut (slot, stamp), the deferred block, acquires or
+# releases since the last scan, whether the scan instant is set, the treap's root, groups seen, the constants'
+# epoch, blocks inserted since the last turnover estimate, whether the window's start / the insertion rate / the
+# horizon are known, multi_queue, type_weights, the request context (prompt and output queue, bin, prompt blocks,
+# reasoning output), the compaction mark (the Python policy's, carried through).
+SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, ROOT, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
+    MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, COMPACT_AT = range(21)
+# Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
+# structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity.
+CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, EXP_MEAN_CH, CAPACITY = range(9)
+REFIT, STRUCTURAL = 1, 2  # request flags
+
+
+class SAEState(NamedTuple):
+    req_q: np.ndarray  # int8 per request: its queue (set at its arrival)
+    req_slot: np.ndarray  # int8 per request: its continuation bin
+    req_flags: np.ndarray  # int8 per request: REFIT | STRUCTURAL
+    req_pst: np.ndarray  # float64 per request: the structural continuation rate after its arrival
+    n_prompt: np.ndarray  # int32 per request: prompt blocks (at least 1)
+    reasoning: np.ndarray  # int8 per request: its output holds reasoning
+    inflight: np.ndarray  # int8 per request: arrived, not completed
+    gcount: np.ndarray  # int32 per group: blocks in its list and returned set
+    seen: np.ndarray  # int32 the groups seen, in order (N_SEEN of them)
+    gseen: np.ndarray  # int8 per group
+    gscore: np.ndarray  # float64 per group: its best candidate's score ...
+    gstamp: np.ndarray  # int64 ... stamp ...
+    gslot: np.ndarray  # int32 ... slot ...
+    gnow: np.ndarray  # float64 ... the instant ...
+    gep: np.ndarray  # int64 ... and the constants' epoch it was computed at (-1: the group changed since)
+    slotp: np.ndarray  # float64 per bin: the continuation probability it stands for
+    gaps: np.ndarray  # float64 [queue, (mu, sigma sqrt 2, mean, mu + sigma^2)]
+    coef: np.ndarray  # float64 per queue-type code: alpha_q * w_type
+    qhits: np.ndarray  # int64 per queue: hits this window
+    occ: np.ndarray  # int64 per queue: cached blocks
+    si: np.ndarray
+    sf: np.ndarray
+
+
+# -- the treap over (group, set, stamp) ------------------------------------------------------------------------------
+@inline
+def _tkey(rec, s):
+    return (np.int64(rec[s, GROUP]) << 33) | (np.int64(rec[s, WHERE] - 1) << 32) | np.int64(rec[s, STAMP])
+
+
+@inline
+def _prio(s):
+    return ((np.int64(s) + 1) * 2654435761) & 0xFFFFFFFF
+
+
+@inline
+def _rotate_up(ps, rec, s):
+    p = rec[s, UP]
+    g = rec[p, UP]
+    if rec[p, LEFT] == s:
+        x = rec[s, RIGHT]
+        rec[p, LEFT] = x
+        if x >= 0:
+            rec[x, UP] = p
+        rec[s, RIGHT] = p
+    else:
+        x = rec[s, LEFT]
+        rec[p, RIGHT] = x
+        if x >= 0:
+            rec[x, UP] = p
+        rec[s, LEFT] = p
+    rec[p, UP] = s
+    rec[s, UP] = g
+    if g < 0:
+        ps.si[ROOT] = s
+    elif rec[g, LEFT] == p:
+        rec[g, LEFT] = s
+    else:
+        rec[g, RIGHT] = s
+
+
+@inline
+def _tinsert(ps, rec, s):
+    rec[s, LEFT] = -1
+    rec[s, RIGHT] = -1
+    x = ps.si[ROOT]
+    if x < 0:
+        rec[s, UP] = -1
+        ps.si[ROOT] = s
+        return
+    k = _tkey(rec, s)
+    while True:
+        if k < _tkey(rec, x):
+            if rec[x, LEFT] < 0:
+                rec[x, LEFT] = s
+                break
+            x = rec[x, LEFT]
+        else:
+            if rec[x, RIGHT] < 0:
+                rec[x, RIGHT] = s
+                break
+            x = rec[x, RIGHT]
+    rec[s, UP] = x
+    ps_ = _prio(s)
+    while rec[s, UP] >= 0 and ps_ > _prio(rec[s, UP]):
+        _rotate_up(ps, rec, s)
+
+
+@inline
+def _tdelete(ps, rec, s):
+    while rec[s, LEFT] >= 0 or rec[s, RIGHT] >= 0:
+        a, b = rec[s, LEFT], rec[s, RIGHT]
+        c = a if b < 0 or (a >= 0 and _prio(a) > _prio(b)) else b
+        _rotate_up(ps, rec, c)
+    p = rec[s, UP]
+    if p < 0:
+        ps.si[ROOT] = -1
+    elif rec[p, LEFT] == s:
+        rec[p, LEFT] = -1
+    else:
+        rec[p, RIGHT] = -1
+
+
+@inline
+def _lower(ps, rec, k):
+    """The slot of the least key >= k (-1: none)."""
+    x = ps.si[ROOT]
+    best = -1
+    while x >= 0:
+        if _tkey(rec, x) >= k:
+            best = x
+            x = rec[x, LEFT]
+        else:
+            x = rec[x, RIGHT]
+    return best
+
+
+@inline
+def _below(ps, rec, k):
+    """The slot of the greatest key < k (-1: none)."""
+    x = ps.si[ROOT]
+    best = -1
+    while x >= 0:
+        if _tkey(rec, x) < k:
+            best = x
+            x = rec[x, RIGHT]
+        else:
+            x = rec[x, LEFT]
+    return best
+
+
+# -- the groups' sets ------------------------------------------------------------------------------------------------
+@inline
+def _add(ps, rec, s, where):
+    """Slot ``s`` joins its group's list (where=1) or returned set (where=2)."""
+    g = rec[s, GROUP]
+    rec[s, WHERE] = where
+    _tinsert(ps, rec, s)
+    ps.gcount[g] += 1
+    ps.gep[g] = -1
+    if not ps.gseen[g]:
+        ps.gseen[g] = 1
+        ps.seen[ps.si[N_SEEN]] = g
+        ps.si[N_SEEN] += 1
+
+
+@inline
+def _remove(ps, rec, s):
+    g = rec[s, GROUP]
+    _tdelete(ps, rec, s)
+    rec[s, WHERE] = 0
+    ps.gcount[g] -= 1
+    ps.gep[g] = -1
+
+
+@jit
+def flush(ps, rec):
+    """SAECachePolicy._flush: the deferred block joins its returned set if it is still evictable."""
+    d = ps.si[DEFERRED]
+    if d >= 0:
+        ps.si[DEFERRED] = -1
+        if rec[d, STAMP] != 0 and rec[d, PIN] == 0 and rec[d, NCHILD] == 0:
+            _add(ps, rec, d, 2)
+
+
+@inline
+def _flush(ps, rec):
+    if ps.si[DEFERRED] >= 0:
+        flush(ps, rec)
+
+
+# -- scores ----------------------------------------------------------------------------------------------------------
+@inline
+def _density(mu, s2, mean, shift, p, dt, horizon):
+    """LognormalGaps.density, operation for operation (dt > 0 and horizon > 0 here)."""
+    log_now = math.log(dt)
+    s_now = 0.5 * math.erfc((log_now - mu) / s2)
+    if s_now < _TINY:
+        return 0.0
+    alive = p * s_now
+    pi = alive / (1.0 - p + alive) if alive > 0.0 else 0.0
+    end = dt + horizon
+    log_end = math.log(end)
+    s_end = 0.5 * math.erfc((log_end - mu) / s2)
+    hit = pi * (s_now - s_end) / s_now
+    alive_time = (mean * 0.5 * math.erfc((log_now - shift) / s2) - mean * 0.5 * math.erfc((log_end - shift) / s2)
+                  + end * s_end) / s_now - dt
+    held = pi * max(alive_time, 0.0) + (1.0 - pi) * horizon
+    return hit / held if held > 0.0 else 0.0
+
+
+@inline
+def _score(ps, recf, g, s, now):
+    """SAECachePolicy._least's score of slot ``s`` of group ``g`` at ``now``."""
+    code = g % GROUP_SLOT
+    q = code // _TYPES
+    min_dt = ps.sf[MIN_DT]
+    dt = now - recf[s, LAST]
+    if q == PE:  # a constant ranking term: 1 / dt
+        if dt < min_dt:
+            dt = min_dt
+        return ps.coef[code] * (1.0 / dt)
+    if not dt > min_dt:
+        dt = min_dt
+    p = ps.sf[PST] if q == ST else ps.slotp[g // GROUP_SLOT]
+    horizon = ps.sf[HORIZON] if ps.si[HAS_HOR] else ps.sf[EXP_MEAN_CH]
+    gp = ps.gaps
+    return ps.coef[code] * _density(gp[q, 0], gp[q, 1], gp[q, 2], gp[q, 3], p, dt, horizon)
+
+
+@inline
+def _consider(ps, c, g, s, now, best, bscore, bstamp):
+    if s < 0:
+        return best, bscore, bstamp
+    score = _score(ps, c.recf, g, s, now)
+    stamp = np.int64(c.rec[s, STAMP])
+    if best < 0 or score < bscore or (score == bscore and stamp < bstamp):
+        return s, score, stamp
+    return best, bscore, bstamp
+
+
+@jit
+def _group_best(ps, c, g, now):
+    """SAECachePolicy._best of group ``g``: its candidates (list head, returned set's oldest, and under the hit
+    density the newest of both) and the least (score, stamp) among them, stored per group."""
+    rec = c.rec
+    base = np.int64(g) << 33
+    one = np.int64(1) << 32
+    a = _lower(ps, rec, base)
+    if a >= 0 and _tkey(rec, a) >= base + one:
+        a = -1
+    b = _lower(ps, rec, base + one)
+    if b >= 0 and _tkey(rec, b) >= base + 2 * one:
+        b = -1
+    best, bscore, bstamp = -1, 0.0, np.int64(0)
+    best, bscore, bstamp = _consider(ps, c, g, a, now, best, bscore, bstamp)
+    best, bscore, bstamp = _consider(ps, c, g, b, now, best, bscore, bstamp)
+    if (g % GROUP_SLOT) // _TYPES != PE and (a >= 0 or b >= 0):
+        lt = _below(ps, rec, base + one)
+        if lt >= 0 and _tkey(rec, lt) < base:
+            lt = -1
+        rt = _below(ps, rec, base + 2 * one)
+        if rt >= 0 and _tkey(rec, rt) < base + one:
+            rt = -1
+        newest = lt
+        if rt >= 0 and (lt < 0 or rec[rt, STAMP] > rec[lt, STAMP]):
+            newest = rt
+        if newest != a and newest != b:
+            best, bscore, bstamp = _consider(ps, c, g, newest, now, best, bscore, bstamp)
+    ps.gslot[g] = best
+    ps.gscore[g] = bscore
+    ps.gstamp[g] = bstamp
+    ps.gnow[g] = now
+    ps.gep[g] = ps.si[EPOCH]
+
+
+@inline
+def _select(ps, c, now):
+    """The least (PE flag, score, stamp) over the groups' best candidates: SAECachePolicy.evict's scan."""
+    si = ps.si
+    epoch = si[EPOCH]
+    multi = si[MULTI]
+    best, bflag, bscore, bstamp = -1, 2, 0.0, np.int64(0)
+    for k in range(si[N_SEEN]):
+        g = ps.seen[k]
+        if ps.gcount[g] == 0:
+            continue
+        if ps.gep[g] != epoch or ps.gnow[g] != now:
+            _group_best(ps, c, g, now)
+        flag = 0 if (multi and (g % GROUP_SLOT) // _TYPES == PE) else 1
+        score, stamp = ps.gscore[g], ps.gstamp[g]
+        if best < 0 or flag < bflag or (flag == bflag and (score < bscore or (score == bscore and stamp < bstamp))):
+            best, bflag, bscore, bstamp = ps.gslot[g], flag, score, stamp
+    return best
+
+
+@inline
+def _changed(ps):
+    """SAECachePolicy._changed: the ranking constants moved."""
+    ps.si[EPOCH] += 1
+    ps.si[CAND_OK] = 0
+
+
+# -- hooks -------------------------------------------------------------------------------------------------------
+@implements(SAEState, "on_request")
+def _request(ps, c, j, now):
+    si, sf = ps.si, ps.sf
+    sf[NOW] = now
+    if not si[HAS_T0]:
+        sf[WIN_T0] = now
+        si[HAS_T0] = 1
+    f = ps.req_flags[j]
+    if f & REFIT:  # SAECachePolicy._refit: the turnover time
+        elapsed = now - sf[WIN_T0]
+        if elapsed > 0 and si[WIN_INS]:
+            rate = si[WIN_INS] / elapsed
+            sf[INS_RATE] = 0.7 * sf[INS_RATE] + 0.3 * rate if si[HAS_RATE] else rate
+            si[HAS_RATE] = 1
+            si[WIN_INS] = 0
+            sf[WIN_T0] = now
+        if si[HAS_RATE] and sf[INS_RATE] != 0.0:
+            sf[HORIZON] = sf[CAPACITY] / sf[INS_RATE]
+            si[HAS_HOR] = 1
+        _changed(ps)
+    q = ps.req_q[j]
+    ps.inflight[j] = 1
+    si[PQ] = q
+    si[OQ] = q
+    si[SLOT] = ps.req_slot[j]
+    si[NPROMPT] = ps.n_prompt[j]
+    if f & STRUCTURAL:
+        sf[PST] = ps.req_pst[j]
+        _changed(ps)
+
+
+@implements(SAEState, "on_complete")
+def _complete(ps, c, j, now):
+    si = ps.si
+    si[OREASON] = ps.reasoning[j]
+    if ps.inflight[j]:
+        ps.inflight[j] = 0
+        si[OQ] = ps.req_q[j]
+        si[SLOT] = ps.req_slot[j]
+    si[NPROMPT] = ps.n_prompt[j]
+
+
+@implements(SAEState, "on_insert")
+def _insert(ps, c, s, now):
+    si = ps.si
+    rec = c.rec
+    t = rec[s, BTYPE]
+    output = rec[s, DEPTH] >= si[NPROMPT]
+    if not si[MULTI]:
+        q = CH
+    elif t == _REASONING or (output and si[OREASON]):
+        q = PE
+    elif t <= _TEMPLATE:
+        q = ST
+    else:
+        q = si[OQ] if output else si[PQ]
+    rec[s, QUEUE] = q
+    rec[s, STAMP] = 0
+    rec[s, GROUP] = -1
+    rec[s, WHERE] = 0
+    ps.occ[q] += 1
+    si[WIN_INS] += 1
+
+
+@implements(SAEState, "on_hit")
+def _hit(ps, c, path, i0, i1, now):
+    rec, qh = c.rec, ps.qhits
+    for i in range(i0, i1):
+        qh[rec[path[i], QUEUE]] += 1
+
+
+@implements(SAEState, "on_acquire")
+def _acquire(ps, c, path, i0, i1):
+    rec = c.rec
+    _flush(ps, rec)
+    ps.si[STALE] = 1
+    for i in range(i0, i1):
+        s = path[i]
+        if rec[s, WHERE] != 0:
+            _remove(ps, rec, s)
+
+
+@implements(SAEState, "on_release")
+def _release(ps, c, path, i0, i1, now):
+    rec = c.rec
+    si = ps.si
+    _flush(ps, rec)
+    si[STALE] = 1
+    seq = si[SEQ]
+    slot = si[SLOT] * GROUP_SLOT
+    typed = si[TYPED]
+    for i in range(i1 - 1, i0 - 1, -1):
+        s = path[i]
+        seq += 1
+        rec[s, STAMP] = seq
+        q = rec[s, QUEUE]
+        g = q * _TYPES + (rec[s, BTYPE] if typed else 0)
+        if q == CH or q == AG:
+            g += slot
+        rec[s, GROUP] = g
+        if rec[s, NCHILD] == 0:
+            _add(ps, rec, s, 1)
+    si[SEQ] = seq
+
+
+@implements(SAEState, "on_leaf")
+def _leaf(ps, c, s):
+    rec = c.rec
+    if rec[s, PIN] != 0:
+        return
+    if s == ps.si[NEXT_UP]:
+        ps.si[DEFERRED] = s  # evict will most likely take it next
+        return
+    _flush(ps, rec)
+    _add(ps, rec, s, 2)
+
+
+@inline
+def _take(ps, c, v):
+    """SAECachePolicy._take: forget the victim; note its parent as the likely next one."""
+    rec = c.rec
+    si = ps.si
+    q = rec[v, QUEUE]
+    ps.occ[q] -= 1
+    stamp = rec[v, STAMP]
+    if rec[v, WHERE] != 0:
+        _remove(ps, rec, v)
+    rec[v, STAMP] = 0
+    p = rec[v, PARENT]
+    if p >= 0 and rec[p, QUEUE] == q:
+        if q == CH or q == AG:
+            same = rec[p, GROUP] == rec[v, GROUP]
+        else:
+            same = not si[TYPED] or rec[p, BTYPE] == rec[v, BTYPE]
+        if same:
+            si[NEXT_UP] = p
+            si[NEXT_STAMP] = stamp + 1
+    return v
+
+
+@implements(SAEState, "evict")
+def _evict(ps, c, now):
+    si, sf = ps.si, ps.sf
+    rec = c.rec
+    up = si[NEXT_UP]
+    if up >= 0:
+        si[NEXT_UP] = -1
+        if si[CAND_OK] and sf[CAND_NOW] == now and not si[STALE] and rec[up, STAMP] == si[NEXT_STAMP] \
+                and rec[up, PIN] == 0 and rec[up, NCHILD] == 0:
+            if si[DEFERRED] == up:
+                si[DEFERRED] = -1
+            return _take(ps, c, up)
+    _flush(ps, rec)
+    if not (si[CAND_OK] and sf[CAND_NOW] == now) or si[STALE]:
+        si[CAND_OK] = 1
+        sf[CAND_NOW] = now
+        si[STALE] = 0
+    v = _select(ps, c, now)
+    if v < 0:
+        return -1
+    return _take(ps, c, v)
+
+
+@jit
+def _build(ps, rec, slots):
+    for s in slots:
+        _add(ps, rec, s, rec[s, WHERE])
+
+
+def _opt(x: float) -> tuple[float, int]:
+    """A state's optional number (NaN: none) as (value, known)."""
+    return (0.0, 0) if math.isnan(x) else (float(x), 1)
+
+
+@register
+class SAECacheTwin(Twin):
+    classes = (SAECachePolicy,)
+
+    @classmethod
+    def reason(cls, policy: Any) -> str | None:
+        sw = policy.switches
+        if not sw["density"]:
+            return "saecache: only the hit density ranking (density=True) has a compiled engine"
+        if not sw["lognormal"]:
+            return "saecache: exponential gaps (lognormal=False) have no compiled engine"
+        if sw["position_decay"]:
+            return "saecache: position decay (sampled structural groups) has no compiled engine"
+        return None
+
+    def load(self, state: dict[str, Any], n: int, core: Any) -> None:
+        policy, trace = self.policy, self.trace
+        self._core = core
+        sw = policy.switches
+        arrivals = self.arrivals = Arrivals(
+            multi_queue=sw["multi_queue"], continuation=sw["continuation"], density=sw["density"],
+            continuation_features=sw["continuation_features"], censoring=sw["censoring"],
+            pe_routing=sw["pe_routing"], continue_threshold=policy.continue_threshold, predictor=policy.predictor)
+        arrivals.bind(trace)
+        arrivals.import_state(state)
+        m = len(trace)
+        horizon, has_hor = _opt(state["horizon"])
+        ins_rate, has_rate = _opt(state["ins_rate"])
+        win_t0, has_t0 = _opt(state["window_t0"])
+        cand_now, cand_ok = _opt(state["cand_now"])
+        si = np.zeros(21, dtype=np.int64)
+        si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, ROOT, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
+            TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, COMPACT_AT]] = [
+            state["released"], state["next_up"], state["next_stamp"], state["deferred"], state["stale"], cand_ok,
+            -1, state["window_inserted"], has_t0, has_rate, has_hor, sw["multi_queue"], sw["type_weights"],
+            state["prompt_queue"], state["output_queue"], state["slot"], state["n_prompt"],
+            state["output_reasoning"], state["compact_at"]]
+        sf = np.zeros(9)
+        sf[[CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, CAPACITY]] = [
+            cand_now, state["now"], horizon, ins_rate, win_t0, arrivals.p_structural, policy.min_dt,
+            float(self.capacity)]
+        inflight = np.zeros(m, dtype=np.int8)
+        req_q, req_slot = np.zeros(m, dtype=np.int8), np.zeros(m, dtype=np.int8)
+        req = state["inflight"]
+        inflight[req], req_q[req], req_slot[req] = 1, state["inflight_queue"], state["inflight_slot"]
+        self.state = SAEState(
+            req_q=req_q, req_slot=req_slot, req_flags=np.zeros(m, dtype=np.int8), req_pst=np.zeros(m),
+            n_prompt=np.asarray(arrivals.n_prompt_of, dtype=np.int32),
+            reasoning=np.asarray(arrivals.reasoning_of, dtype=np.int8), inflight=inflight,
+            gcount=np.zeros(N_GROUPS, dtype=np.int32), seen=np.zeros(N_GROUPS, dtype=np.int32),
+            gseen=np.zeros(N_GROUPS, dtype=np.int8), gscore=np.zeros(N_GROUPS), gstamp=np.zeros(N_GROUPS, np.int64),
+            gslot=np.zeros(N_GROUPS, dtype=np.int32), gnow=np.zeros(N_GROUPS),
+            gep=np.full(N_GROUPS, -1, dtype=np.int64), slotp=np.array([slot_p(k) for k in range(N_SLOTS + 1)]),
+            gaps=np.zeros((N_QUEUES, 4)), coef=np.zeros(GROUP_SLOT), qhits=np.zeros(N_QUEUES, dtype=np.int64),
+            occ=np.zeros(N_QUEUES, dtype=np.int64), si=si, sf=sf)
+        self.state.occ[:] = state["occupancy"]
+        self.state.qhits[:] = state["queue_hits"]
+        self._constants()
+        rec = core.rec
+        queue, types = rec[:n, QUEUE], rec[:n, BTYPE]
+        code = queue * _TYPES + (types if sw["type_weights"] else 0)
+        temporal = (queue == CH) | (queue == AG)
+        rec[:n, STAMP] = state["stamp"]
+        rec[:n, GROUP] = np.where(temporal, state["group"], np.where(state["stamp"] != 0, code, -1))
+        rec[:n, WHERE] = state["where"]
+        # the treap in stamp order: the same shape whatever the order, this one is cheap
+        members = np.flatnonzero(state["where"])
+        _build(self.state, rec, members[np.argsort(state["stamp"][members], kind="stable")].astype(np.int64))
+
+    def _constants(self) -> None:
+        """SAECachePolicy.params_changed: the gap distributions and weights of the current parameters."""
+        policy, ps = self.policy, self.state
+        params, sw = policy.params, policy.switches
+        gaps = gap_models(params, sw["lognormal"])
+        self.arrivals.gaps = (gaps[CH], gaps[AG])
+        for q, g in gaps.items():
+            ps.gaps[q] = g.constants()
+        mu, sigma = params["mu_chat"], params["sigma_chat"]
+        ps.sf[EXP_MEAN_CH] = math.exp(mu + sigma * sigma / 2)
+        alpha = [1.0, params["alpha_st"], params["alpha_ch"], params["alpha_ag"]] if sw["adaptive_alpha"] \
+            else [1.0] * N_QUEUES
+        w = [params[f"w_{t.name.lower()}"] for t in TokenType] if sw["type_weights"] else [1.0] * len(TokenType)
+        for q in range(N_QUEUES):
+            for t in range(len(TokenType)):
+                ps.coef[q * _TYPES + t] = alpha[q] * w[t]
+        _changed(ps)
+
+    def prepare(self, a: int, b: int) -> None:
+        """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring)."""
+        arrivals, trace = self.arrivals, self.trace
+        t = trace.t[a:b].tolist()
+        q, slot, flags, pst = [], [], [], []
+        for i, now in zip(range(a, b), t, strict=True):
+            qi, si, refit, structural = arrivals.arrive(trace, i, now)
+            q.append(qi)
+            slot.append(si)
+            flags.append(REFIT * refit + STRUCTURAL * structural)
+            pst.append(arrivals.p_structural)
+        ps = self.state
+        ps.req_q[a:b], ps.req_slot[a:b], ps.req_flags[a:b], ps.req_pst[a:b] = q, slot, flags, pst
+
+    def export(self, n: int, core: Any) -> dict[str, Any]:
+        ps = self.state
+        flush(ps, core.rec)
+        si, sf = ps.si, ps.sf
+        rec = core.rec[:n]
+        queue = rec[:, QUEUE]
+        temporal = (queue == CH) | (queue == AG)
+        inflight = np.flatnonzero(ps.inflight)
+        nan = math.nan
+        return {"stamp": rec[:, STAMP].astype(np.int64), "where": rec[:, WHERE].astype(np.int64),
+                "group": np.where(temporal, rec[:, GROUP], -1).astype(np.int64),
+                "released": int(si[SEQ]), "compact_at": int(si[COMPACT_AT]), "next_up": int(si[NEXT_UP]),
+                "next_stamp": int(si[NEXT_STAMP]), "deferred": int(si[DEFERRED]), "stale": int(si[STALE]),
+                "cand_now": float(sf[CAND_NOW]) if si[CAND_OK] else nan, "now": float(sf[NOW]),
+                "prompt_queue": int(si[PQ]), "output_queue": int(si[OQ]), "slot": int(si[SLOT]),
+                "n_prompt": int(si[NPROMPT]), "output_reasoning": int(si[OREASON]), "occupancy": ps.occ.copy(),
+                "queue_hits": ps.qhits.copy(), "horizon": float(sf[HORIZON]) if si[HAS_HOR] else nan,
+                "ins_rate": float(sf[INS_RATE]) if si[HAS_RATE] else nan, "window_inserted": int(si[WIN_INS]),
+                "window_t0": float(sf[WIN_T0]) if si[HAS_T0] else nan, "inflight": inflight.astype(np.int64),
+                "inflight_queue": ps.req_q[inflight].astype(np.int64),
+                "inflight_slot": ps.req_slot[inflight].astype(np.int64), **self.arrivals.export_state()}
+
+    def begin_window(self) -> None:  # SAECachePolicy.reset_window
+        self.state.qhits[:] = 0
+        self.arrivals.reset_window()
+
+    def params_changed(self) -> None:
+        self._constants()
+
+    def window_stats(self) -> dict[str, Any]:
+        ps = self.state
+        horizon = float(ps.sf[HORIZON]) if ps.si[HAS_HOR] else float(ps.sf[EXP_MEAN_CH])
+        return window_stats(self.arrivals, ps.qhits.tolist(), ps.occ.tolist(), self.policy.params, horizon)
+
+    def occupancy_by_queue(self, n: int) -> dict[int, int]:
+        return {q: k for q, k in enumerate(self.state.occ.tolist()) if k}

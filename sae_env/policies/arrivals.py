@@ -1,0 +1,228 @@
+"""What SAECache learns from the arrivals alone: each request's queue and continuation bin, the sessions' gaps, the
+shared prefixes' reuse rate, and when its ranking constants are refitted.
+
+None of it depends on what the cache holds or decides: given the trace and the policy's parameters (set between
+windows), it is the same on every engine. That is why it lives apart from the policy's cache structures
+(:mod:`sae_env.policies.saecache`): the compiled twin (:mod:`sae_env.fast_engine.saecache`) runs it ahead of its
+request loop, a window at a time, and the loop applies what it says at the same request.
+
+Per arrival (:meth:`Arrivals.arrive`): the request's queue (chat / agent for a (predicted) multi-turn session, else
+priority-eviction), its continuation bin (the online continuation model's ``p``, on the logit scale), whether the
+policy refits its turnover time and continuation model at this arrival (every ``REFIT_EVERY`` arrivals; the model
+is refitted here), and whether the request used a shared prefix (the structural queue's reuse rate moved). The gap
+statistics the online learners read (:meth:`window_stats`) are counted here too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from sae_env.policies.continuation import ContinuationModel
+from sae_env.policies.survival import LognormalGaps
+from sae_env.trace import AppType, TokenType, Trace
+
+__all__ = ["AG", "CH", "N_QUEUES", "N_SLOTS", "PE", "QUEUES", "REFIT_EVERY", "ST", "Arrivals", "slot_of", "slot_p"]
+
+PE, ST, CH, AG = 0, 1, 2, 3
+QUEUES = ("priority_eviction", "structural", "chat", "agent")
+N_QUEUES = len(QUEUES)
+REFIT_EVERY = 64  # arrivals between refits of the turnover time and the continuation model
+# Continuation probabilities are binned on the logit scale: blocks of one bin share their ranking constants, so a
+# group (queue, type, bin) has one score function of the idle time (see SAECachePolicy._best).
+_BIN = 0.5  # bin width in logit units
+_LOGIT_MAX = 7.0  # bins cover p in [sigmoid(-7), sigmoid(7)] = [0.0009, 0.9991]
+N_SLOTS = int(2 * _LOGIT_MAX / _BIN) + 1  # slots 1 .. N_SLOTS; slot 0 = no continuation probability (p = 1)
+_TEMPLATE = int(TokenType.TEMPLATE)
+
+# A session predictor answers, for a session's first request, (P(continues as chat), P(continues as agent)).
+Predictor = Callable[[Trace, int], tuple[float, float]]
+
+
+def slot_of(p: float) -> int:
+    """The logit bin (1 .. N_SLOTS) of a continuation probability."""
+    x = math.log(p / (1.0 - p)) if 0.0 < p < 1.0 else (_LOGIT_MAX if p >= 1.0 else -_LOGIT_MAX)
+    x = min(max(x, -_LOGIT_MAX), _LOGIT_MAX)
+    return 1 + int(round((x + _LOGIT_MAX) / _BIN))
+
+
+def slot_p(slot: int) -> float:
+    """The continuation probability a bin stands for (its centre); slot 0 = 1."""
+    if slot == 0:
+        return 1.0
+    return 1.0 / (1.0 + math.exp(-((slot - 1) * _BIN - _LOGIT_MAX)))
+
+
+class Arrivals:
+    """SAECache's bookkeeping of arrivals (module docstring), with the switches of the policy it serves.
+
+    ``gaps`` (chat, agent) are the gap distributions the continuation model's horizon and soft labels use: the
+    policy sets them whenever its parameters change.
+    """
+
+    def __init__(self, *, multi_queue: bool = True, continuation: bool = True, density: bool = True,
+                 continuation_features: bool = True, censoring: bool = True, pe_routing: bool = False,
+                 continue_threshold: float = 0.5, predictor: Predictor | None = None) -> None:
+        self.multi_queue, self.continuation, self.density = bool(multi_queue), bool(continuation), bool(density)
+        self.pe_routing = bool(pe_routing)
+        self.continue_threshold = continue_threshold
+        self.predictor = predictor
+        self.model = (ContinuationModel(features=continuation_features, censoring=censoring, predictor=predictor)
+                      if continuation else None)
+        self.gaps: tuple[LognormalGaps, LognormalGaps] | None = None
+        self.trace: Trace | None = None  # the trace whose per-request facts are cached (see bind)
+        self.arrivals = 0
+        self._sessions: dict[int, tuple[float, int]] = {}  # session -> (last arrival, queue of its blocks)
+        # Shared prefixes (the structural queue under ``density``): when each was last used, how often a use was
+        # followed by another one (its continuation rate, counted as LPC counts turns).
+        self._prefix_last: dict[int, float] = {}
+        self._prefix_uses = 0
+        self._prefix_reused = 0
+        self.p_structural = 0.5
+        self.reset_window()
+
+    def bind(self, trace: Trace) -> None:
+        """Per-request facts, as Python lists: reading them from numpy per request costs more."""
+        self.trace = trace
+        self._app_of = trace.app.tolist()
+        self._turn_of = trace.turn.tolist()
+        self._session_of = trace.session.tolist()
+        self.n_prompt_of = np.maximum(np.diff(trace.prompt_offsets), 1).tolist()  # (at least 1) per request
+        self._templated_of = _any_per_request(trace.prompt_types == TokenType.TEMPLATE, trace.prompt_offsets)
+        self.reasoning_of = _any_per_request(trace.output_types == TokenType.REASONING, trace.output_offsets)
+        self._prefix_of = _structural_prefix_end(trace)
+        if self.model is not None:
+            self.model.bind(trace)
+
+    def reset_window(self) -> None:
+        # per queue: [n, sum ln gap, sum ln^2 gap] of re-access gaps: session inter-turn gaps (chat, agent), gaps
+        # between uses of a shared prefix (structural)
+        self.gap_stats = {CH: [0, 0.0, 0.0], AG: [0, 0.0, 0.0], ST: [0, 0.0, 0.0]}
+
+    def session_queue(self, trace: Trace, i: int) -> int:
+        """Queue of a request's temporal blocks: CH / AG for (predicted) multi-turn sessions, else PE."""
+        if not self.multi_queue:
+            return CH
+        if trace is not self.trace:
+            self.bind(trace)
+        app, turn = self._app_of[i], self._turn_of[i]
+        if self.continuation or turn > 1:
+            return AG if app == AppType.AGENT else CH
+        if self.predictor is not None:
+            p_chat, p_agent = self.predictor(trace, i)
+            if max(p_chat, p_agent) >= self.continue_threshold:
+                return AG if p_agent > p_chat else CH
+            return PE
+        # By rule, from what the request shows: tool schemas mark an agent call; a templated prompt (TEMPLATE
+        # blocks) an API-style single-turn request; anything else may be the start of a conversation.
+        if app == AppType.AGENT:
+            return AG
+        return PE if self._templated_of[i] else CH
+
+    def arrive(self, trace: Trace, i: int, now: float) -> tuple[int, int, bool, bool]:
+        """Request ``i`` arrived at ``now``: returns its queue, its continuation bin (0: none), whether the policy
+        refits at this arrival (the continuation model is refitted here, first) and whether it used a shared prefix
+        (``p_structural`` moved)."""
+        if trace is not self.trace:
+            self.bind(trace)
+        self.arrivals += 1
+        refit = (self.density or self.model is not None) and self.arrivals % REFIT_EVERY == 0
+        if refit and self.model is not None:
+            self.model.update(now, self.gaps)
+        q = self.session_queue(trace, i)
+        slot = 0
+        if self.model is not None:
+            p = self.model.arrive(i, now)
+            if self.pe_routing and self.multi_queue and p < self.continue_threshold:
+                q = PE
+            if self.density:
+                slot = slot_of(p)
+        s = self._session_of[i]
+        if s >= 0:
+            last = self._sessions.get(s)
+            if last is not None and q in (CH, AG):
+                gap = now - last[0]
+                if gap > 0:
+                    self._add_gap(q, gap)
+            self._sessions[s] = (now, q)
+        structural = False
+        if self.density:
+            key = self._prefix_of[i]
+            if key is not None:
+                structural = True
+                self._prefix_uses += 1
+                last_use = self._prefix_last.get(key)
+                if last_use is not None:
+                    self._prefix_reused += 1
+                    if now > last_use:
+                        self._add_gap(ST, now - last_use)
+                self._prefix_last[key] = now
+                self.p_structural = (self._prefix_reused + 1.0) / (self._prefix_uses + 2.0)
+        return q, slot, refit, structural
+
+    def _add_gap(self, q: int, gap: float) -> None:
+        lg = math.log(gap)
+        st = self.gap_stats[q]
+        st[0] += 1
+        st[1] += lg
+        st[2] += lg * lg
+
+    def window_stats(self, out: dict[str, Any]) -> dict[str, Any]:
+        """The policy's window statistics ``out`` with what is counted here added."""
+        out["gap_stats"] = {QUEUES[q]: list(v) for q, v in self.gap_stats.items()}
+        if self.density:
+            out["p_structural"] = self.p_structural
+        if self.model is not None:
+            out["continuation"] = self.model.stats()
+        return out
+
+    # -- the state contract (sae_env.state) ----------------------------------------------------------------
+    def export_state(self) -> dict[str, Any]:
+        sessions = self._sessions
+        prefixes = self._prefix_last
+        out = {"arrivals": self.arrivals, "prefix_uses": self._prefix_uses, "prefix_reused": self._prefix_reused,
+               "p_structural": self.p_structural,
+               "gap_stats": np.array([self.gap_stats[q] for q in (CH, AG, ST)], dtype=np.float64),
+               "session_ids": np.fromiter(sessions.keys(), dtype=np.int64, count=len(sessions)),
+               "session_last": np.array([t for t, _ in sessions.values()], dtype=np.float64),
+               "session_queue": np.array([q for _, q in sessions.values()], dtype=np.int64),
+               "prefix_keys": np.fromiter(prefixes.keys(), dtype=np.int64, count=len(prefixes)),
+               "prefix_last": np.fromiter(prefixes.values(), dtype=np.float64, count=len(prefixes))}
+        if self.model is not None:
+            out.update({f"model_{k}": v for k, v in self.model.export_state().items()})
+        return out
+
+    def import_state(self, state: dict[str, Any]) -> None:
+        self.arrivals = int(state["arrivals"])
+        self._prefix_uses, self._prefix_reused = int(state["prefix_uses"]), int(state["prefix_reused"])
+        self.p_structural = float(state["p_structural"])
+        g = state["gap_stats"].tolist()
+        self.gap_stats = {q: [int(v[0]), v[1], v[2]] for q, v in zip((CH, AG, ST), g, strict=True)}
+        self._sessions = {s: (t, q) for s, t, q in zip(state["session_ids"].tolist(), state["session_last"].tolist(),
+                                                        state["session_queue"].tolist(), strict=True)}
+        self._prefix_last = dict(zip(state["prefix_keys"].tolist(), state["prefix_last"].tolist(), strict=True))
+        if self.model is not None:
+            self.model.import_state({k[6:]: v for k, v in state.items() if k.startswith("model_")})
+
+
+def _structural_prefix_end(trace: Trace) -> list[int | None]:
+    """Per request, the key of the last block of its leading run of SYSTEM / TEMPLATE blocks (its shared prefix),
+    or None: uses of one shared prefix are the re-accesses the structural queue's gap distribution describes."""
+    offsets = trace.prompt_offsets
+    lengths = np.diff(offsets)
+    req_of = np.repeat(np.arange(len(trace), dtype=np.int64), lengths)
+    pos = np.arange(trace.n_blocks, dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+    run = lengths.astype(np.int64)  # the leading run ends at the first non-structural block
+    other = np.flatnonzero(trace.prompt_types > _TEMPLATE)
+    np.minimum.at(run, req_of[other], pos[other])
+    keys = trace.prompt_keys
+    return [int(keys[offsets[i] + r - 1]) if r > 0 else None for i, r in enumerate(run.tolist())]
+
+
+def _any_per_request(flags: np.ndarray, offsets: np.ndarray) -> list[bool]:
+    """Whether any of each request's blocks (CSR ``offsets``) has its flag set."""
+    counts = np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])
+    return (counts[offsets[1:]] > counts[offsets[:-1]]).tolist()
