@@ -46,9 +46,9 @@ _TINY = 1e-300
 # releases since the last scan, whether the scan instant is set, the treap's root, groups seen, the constants'
 # epoch, blocks inserted since the last turnover estimate, whether the window's start / the insertion rate / the
 # horizon are known, multi_queue, type_weights, the request context (prompt and output queue, bin, prompt blocks,
-# reasoning output), the compaction mark (the Python policy's, carried through).
+# reasoning output).
 SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, ROOT, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
-    MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, COMPACT_AT = range(21)
+    MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON = range(20)
 # Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
 # structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity.
 CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, EXP_MEAN_CH, CAPACITY = range(9)
@@ -544,13 +544,13 @@ class SAECacheTwin(Twin):
         ins_rate, has_rate = _opt(state["ins_rate"])
         win_t0, has_t0 = _opt(state["window_t0"])
         cand_now, cand_ok = _opt(state["cand_now"])
-        si = np.zeros(21, dtype=np.int64)
+        si = np.zeros(20, dtype=np.int64)
         si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, ROOT, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
-            TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, COMPACT_AT]] = [
+            TYPED, PQ, OQ, SLOT, NPROMPT, OREASON]] = [
             state["released"], state["next_up"], state["next_stamp"], state["deferred"], state["stale"], cand_ok,
             -1, state["window_inserted"], has_t0, has_rate, has_hor, sw["multi_queue"], sw["type_weights"],
             state["prompt_queue"], state["output_queue"], state["slot"], state["n_prompt"],
-            state["output_reasoning"], state["compact_at"]]
+            state["output_reasoning"]]
         sf = np.zeros(9)
         sf[[CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, CAPACITY]] = [
             cand_now, state["now"], horizon, ins_rate, win_t0, arrivals.p_structural, policy.min_dt,
@@ -599,7 +599,6 @@ class SAECacheTwin(Twin):
         for q in range(N_QUEUES):
             for t in range(len(TokenType)):
                 ps.coef[q * _TYPES + t] = alpha[q] * w[t]
-        _changed(ps)
 
     def prepare(self, a: int, b: int) -> None:
         """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring)."""
@@ -626,7 +625,7 @@ class SAECacheTwin(Twin):
         nan = math.nan
         return {"stamp": rec[:, STAMP].astype(np.int64), "where": rec[:, WHERE].astype(np.int64),
                 "group": np.where(temporal, rec[:, GROUP], -1).astype(np.int64),
-                "released": int(si[SEQ]), "compact_at": int(si[COMPACT_AT]), "next_up": int(si[NEXT_UP]),
+                "released": int(si[SEQ]), "next_up": int(si[NEXT_UP]),
                 "next_stamp": int(si[NEXT_STAMP]), "deferred": int(si[DEFERRED]), "stale": int(si[STALE]),
                 "cand_now": float(sf[CAND_NOW]) if si[CAND_OK] else nan, "now": float(sf[NOW]),
                 "prompt_queue": int(si[PQ]), "output_queue": int(si[OQ]), "slot": int(si[SLOT]),
@@ -643,6 +642,7 @@ class SAECacheTwin(Twin):
 
     def params_changed(self) -> None:
         self._constants()
+        _changed(self.state)
 
     def window_stats(self) -> dict[str, Any]:
         ps = self.state

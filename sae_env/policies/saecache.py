@@ -738,7 +738,7 @@ class SAECachePolicy(EvictionPolicy):
         out = {"stamp": block_array(blocks, index, lambda b: b.stamp),
                "where": block_array(blocks, index, lambda b: where.get(b.key, 0)),
                "group": block_array(blocks, index, lambda b: b.pdata if b.queue in temporal else None, default=-1),
-               "released": self._released, "compact_at": self._compact_at, "next_up": pos(self._next_up),
+               "released": self._released, "next_up": pos(self._next_up),
                "next_stamp": self._next_stamp, "deferred": pos(self._deferred), "stale": int(self._stale),
                "cand_now": opt(self._cand_now), "now": self._now, "prompt_queue": self._prompt_queue,
                "output_queue": self._output_queue, "slot": self._slot, "n_prompt": self._n_prompt,
@@ -779,7 +779,8 @@ class SAECachePolicy(EvictionPolicy):
         self._dirty = set(self._lists)
         self._cand, self._held, self._memo, self._consts = {}, {}, {}, {}
         self._memo_now = None
-        self._released, self._compact_at = int(state["released"]), int(state["compact_at"])
+        self._released = int(state["released"])
+        self._compact_at = self._released + _COMPACT_MIN  # compaction changes no decision: not part of the state
         self._next_up = blocks[state["next_up"]] if state["next_up"] >= 0 else None
         self._next_stamp = int(state["next_stamp"])
         self._deferred = blocks[state["deferred"]] if state["deferred"] >= 0 else None

@@ -1,0 +1,273 @@
+"""SAECache on the compiled engine (sae_env/fast_engine/saecache.py) against the Python policy: hit for hit.
+
+Every WindowStats field of every window must be equal (the policy's own window statistics included: queue hits and
+occupancy, gap statistics, the turnover horizon, the structural rate, the continuation model's rates and
+coefficients), instant and timed, on hypothesis traces with sessions, turns, apps, every token type and equal
+arrival times (with the switches that the twin runs drawn at random), on every embedded real trace at two
+capacities, and with parameters set between windows as the online learners set them. The state contract carries a
+replay across engines in both directions after any window, timed mode included. Configurations the twin does not
+run fall back to the Python engine with the reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_fast_engine import SERVER, assert_same_windows, timed_state
+from test_saecache import session_traces, tiny
+
+from sae_env import data
+from sae_env.cache import PrefixCache
+from sae_env.fast_engine.twin import twin_class
+from sae_env.policies import make_policy
+from sae_env.replay import Replay
+from sae_env.serving import make_server
+from sae_env.sources import open_trace
+from sae_env.state import export_cache, import_cache
+from sae_env.trace import Trace
+
+pytest.importorskip("numba")
+
+# Switches the twin runs besides the default (the rest of the Arrivals' switches need nothing of the kernel).
+FREE = ("type_weights", "adaptive_alpha", "multi_queue", "continuation", "continuation_features", "censoring",
+        "pe_routing")
+switches = st.fixed_dictionaries({}, optional={k: st.booleans() for k in FREE})
+
+
+def both(trace: Trace, capacity: int, server=None, options=None, **kw) -> tuple[Replay, Replay]:
+    """The same saecache replay on the Python engine and on the compiled engine (checked to be the one that ran)."""
+    cache_kw = {k: kw.pop(k) for k in ("ghost_capacity", "cache_outputs") if k in kw}
+    runs = []
+    for engine in ("python", "fast"):
+        r = Replay(trace, PrefixCache(capacity, make_policy("saecache", **(options or {})), **cache_kw),
+                   make_server(server) if server else None, engine=engine, **kw)
+        assert r.engine == engine
+        r.run()
+        assert r.engine == engine
+        runs.append(r)
+    return runs[0], runs[1]
+
+
+PER_BLOCK = ("stamp", "where", "group")
+POSITIONS = ("next_up", "deferred")
+
+
+def contract_state(cache: PrefixCache) -> dict:
+    """Everything the next decision can depend on, through the state contract, by key (not by position)."""
+    state, blocks = export_cache(cache)
+    keys = state.keys.tolist()
+    out = {"ghosts": list(zip(state.ghost_keys.tolist(), state.ghost_codes.tolist(), strict=True))}
+    for name, col in state._asdict().items():
+        if not name.startswith("ghost") and name != "keys":
+            values = col.tolist()
+            if name == "parent":
+                values = [keys[p] if p >= 0 else None for p in values]
+            out[name] = dict(zip(keys, values, strict=True))
+    pstate = cache.policy.export_state({b.key: i for i, b in enumerate(blocks)})
+    for name, v in pstate.items():
+        if name in PER_BLOCK:
+            out[name] = dict(zip(keys, v.tolist(), strict=True))
+        elif name in POSITIONS:
+            out[name] = keys[v] if v >= 0 else None
+        elif isinstance(v, float) and v != v:
+            out[name] = "nan"
+        else:
+            out[name] = v.tolist() if isinstance(v, np.ndarray) else v
+    return out
+
+
+def real(name: str, requests: int) -> Trace:
+    trace, _ = open_trace(name)
+    return trace[:requests] if len(trace) > requests else trace
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# hit for hit
+
+
+@settings(max_examples=60, deadline=None, report_multiple_bugs=False)
+@given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 7),
+       ghosts=st.sampled_from([None, 0, 2]), outputs=st.booleans(), options=switches)
+def test_session_traces_agree(trace, capacity, window, ghosts, outputs, options):
+    py, fast = both(trace, capacity, options=options, window_requests=window, ghost_capacity=ghosts,
+                    cache_outputs=outputs)
+    assert_same_windows(py, fast)
+
+
+@settings(max_examples=30, deadline=None, report_multiple_bugs=False)
+@given(trace=session_traces(max_requests=30, timed=True), capacity=st.integers(1, 20), window=st.integers(1, 5),
+       budget=st.sampled_from([16, 8192]), options=switches)
+def test_timed_session_traces_agree(trace, capacity, window, budget, options):
+    py, fast = both(trace, capacity, {"preset": SERVER, "token_budget": budget}, options=options,
+                    window_requests=window)
+    assert_same_windows(py, fast)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tiny_preset_agrees_past_many_refits(seed):
+    """The synthetic tiny preset (sessions, agents, templates, reasoning) at small caches: hundreds of refits of the
+    turnover time and continuation model, windows in seconds."""
+    trace = tiny(seed)
+    for fraction in (0.03, 0.15):
+        py, fast = both(trace, max(2, int(fraction * trace.distinct_blocks())), window_seconds=20.0)
+        assert_same_windows(py, fast)
+
+
+@pytest.mark.parametrize("trace_name", sorted(data.ALL))
+def test_embedded_real_traces_agree(trace_name):
+    trace = real(trace_name, 600)
+    for fraction in (0.02, 0.2):
+        py, fast = both(trace, max(1, int(fraction * trace.distinct_blocks())), window_requests=200)
+        assert_same_windows(py, fast)
+
+
+@pytest.mark.parametrize("trace_name", ["wildchat", "mooncake_arxiv", "taubench", "real_templated"])
+def test_embedded_real_traces_agree_timed(trace_name):
+    trace = real(trace_name, 300)
+    py, fast = both(trace, max(1, int(0.05 * trace.distinct_blocks())), SERVER, window_requests=100)
+    assert_same_windows(py, fast)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trace_name", sorted(data.ALL))
+def test_whole_embedded_traces_agree(trace_name):
+    trace = real(trace_name, 20_000)
+    for fraction in (0.02, 0.05, 0.2):
+        py, fast = both(trace, max(1, int(fraction * trace.distinct_blocks())), window_requests=1000)
+        assert_same_windows(py, fast)
+
+
+def test_parameters_set_between_windows_agree():
+    """set_params between windows (as agents.sae_online's learners do) reaches the twin: the gap distributions
+    (horizon of the continuation model, the hit density) and the weights."""
+    trace = real("wildchat", 600)
+    capacity = int(0.05 * trace.distinct_blocks())
+    rng = np.random.default_rng(0)
+    values = [{"mu_chat": rng.uniform(-2, 8), "sigma_chat": rng.uniform(0.3, 3), "mu_agent": rng.uniform(-2, 5),
+               "mu_structural": rng.uniform(0, 8), "alpha_ch": rng.uniform(0.1, 5), "w_user": rng.uniform(0.1, 5)}
+              for _ in range(20)]
+    runs = []
+    for engine in ("python", "fast"):
+        r = Replay(trace, PrefixCache(capacity, make_policy("saecache", adaptive_alpha=True, type_weights=True)),
+                   window_requests=40, engine=engine)
+        k = 0
+        while not r.done:
+            r.step()
+            r.policy.set_params(values[k % len(values)])
+            k += 1
+        assert r.engine == engine
+        runs.append(r)
+    assert_same_windows(*runs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the state contract
+
+
+@settings(max_examples=30, deadline=None, report_multiple_bugs=False)
+@given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 6),
+       stops=st.lists(st.integers(0, 8), min_size=1, max_size=3), options=switches)
+def test_hand_over_both_ways_after_any_window(trace, capacity, window, stops, options):
+    ref = Replay(trace, PrefixCache(capacity, make_policy("saecache", **options)), window_requests=window,
+                 engine="python")
+    moved = Replay(trace, PrefixCache(capacity, make_policy("saecache", **options)), window_requests=window)
+    assert moved.engine == "fast"
+    for stop in stops:
+        for _ in range(stop):
+            if ref.done:
+                break
+            ref.step()
+            moved.step()
+        if moved.engine == "fast":
+            cache = moved.to_python()
+            cache.check_invariants()
+            assert contract_state(cache) == contract_state(ref.to_python())
+        else:
+            assert moved.to_fast()
+    ref.run()
+    moved.run()
+    assert_same_windows(ref, moved)
+    assert contract_state(moved.to_python()) == contract_state(ref.to_python())
+
+
+@settings(max_examples=20, deadline=None, report_multiple_bugs=False)
+@given(trace=session_traces(max_requests=30, timed=True), capacity=st.integers(1, 20), window=st.integers(1, 5),
+       stops=st.lists(st.integers(0, 6), min_size=1, max_size=3))
+def test_timed_hand_over_both_ways_after_any_window(trace, capacity, window, stops):
+    server = {"preset": SERVER, "token_budget": 16}
+    ref = Replay(trace, PrefixCache(capacity, make_policy("saecache")), make_server(server), window_requests=window,
+                 engine="python")
+    moved = Replay(trace, PrefixCache(capacity, make_policy("saecache")), make_server(server),
+                   window_requests=window)
+    assert moved.engine == "fast"
+    for stop in stops:
+        for _ in range(stop):
+            if ref.done:
+                break
+            ref.step()
+            moved.step()
+        if moved.engine == "fast":
+            cache = moved.to_python()
+            cache.check_invariants()
+            assert contract_state(cache) == contract_state(ref.to_python())
+            assert timed_state(moved) == timed_state(ref)
+        else:
+            assert moved.to_fast()
+    ref.run()
+    moved.run()
+    assert_same_windows(ref, moved)
+
+
+def test_hand_over_on_a_real_trace():
+    """Windows alternate between the engines on tau-bench (long shared structural prefixes, agents)."""
+    trace = real("taubench", 900)
+    capacity = int(0.05 * trace.distinct_blocks())
+    ref = Replay(trace, PrefixCache(capacity, make_policy("saecache")), window_requests=100, engine="python")
+    moved = Replay(trace, PrefixCache(capacity, make_policy("saecache")), window_requests=100, engine="python")
+    k = 0
+    while not ref.done:
+        ref.step()
+        moved.step()
+        k += 1
+        if k % 2:
+            assert moved.to_fast(required=True)
+        else:
+            cache = moved.to_python()
+            cache.check_invariants()
+            assert contract_state(cache) == contract_state(ref.to_python())
+    assert_same_windows(ref, moved)
+
+
+def test_the_state_contract_round_trips():
+    """export_state -> import_state on a fresh policy rebuilds the same exported state, and both go on alike."""
+    trace = real("real_agent", 400)
+    capacity = max(2, int(0.05 * trace.distinct_blocks()))
+    r = Replay(trace[:200], PrefixCache(capacity, make_policy("saecache")), window_requests=50, engine="python")
+    r.run()
+    cache = r.to_python()
+    state, blocks = export_cache(cache)
+    pstate = cache.policy.export_state({b.key: i for i, b in enumerate(blocks)})
+    copy = PrefixCache(cache.capacity, make_policy("saecache"))
+    copy.policy.bind(trace[:200])
+    copy.policy.import_state(pstate, import_cache(copy, state))
+    copy.check_invariants()
+    assert contract_state(copy) == contract_state(cache)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what runs where
+
+
+def test_auto_takes_the_compiled_engine_for_the_default_and_falls_back_for_the_paper():
+    trace = real("wildchat", 50)
+    r = Replay(trace, PrefixCache(20, make_policy("saecache")))
+    assert r.engine == "fast"
+    for name, options, words in (("saecache-paper", {}, "no compiled engine"), ("saecache", {"density": False}, "density"),
+                                 ("saecache", {"lognormal": False}, "exponential"),
+                                 ("saecache", {"position_decay": True}, "position decay")):
+        r = Replay(trace, PrefixCache(20, make_policy(name, **options)))
+        assert r.engine == "python"
+        assert words in r.fast_reason
+    assert twin_class(make_policy("saecache-paper")) is None  # a subclass: no twin of its own
