@@ -264,7 +264,8 @@ def test_auto_takes_the_compiled_engine_for_the_default_and_falls_back_for_the_p
     trace = real("wildchat", 50)
     r = Replay(trace, PrefixCache(20, make_policy("saecache")))
     assert r.engine == "fast"
-    for name, options, words in (("saecache-paper", {}, "no compiled engine"), ("saecache", {"density": False}, "density"),
+    for name, options, words in (("saecache-paper", {}, "no compiled engine"),
+                                 ("saecache", {"density": False}, "density"),
                                  ("saecache", {"lognormal": False}, "exponential"),
                                  ("saecache", {"position_decay": True}, "position decay")):
         r = Replay(trace, PrefixCache(20, make_policy(name, **options)))
