@@ -33,7 +33,7 @@ import numpy as np
 from sae_env.fast_engine.jit import implements, inline, jit
 from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, P0, P1, P2, P3, P4, P5, PARENT, PIN, QUEUE
 from sae_env.fast_engine.twin import Twin, register
-from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, ST, Arrivals, slot_p
+from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, ST, slot_p
 from sae_env.policies.saecache import GROUP_SLOT, SAECachePolicy, gap_models, window_stats
 from sae_env.trace import TokenType
 
@@ -70,7 +70,9 @@ class SAEState(NamedTuple):
     gstamp: np.ndarray  # int64 ... stamp ...
     gslot: np.ndarray  # int32 ... slot ...
     gnow: np.ndarray  # float64 ... the instant ...
-    gep: np.ndarray  # int64 ... and the constants' epoch it was computed at (-1: the group changed since)
+    gep: np.ndarray  # int64 ... and the constants' epoch it was computed at
+    gcand: np.ndarray  # int32 [group, 3]: its candidates (-1: none)
+    gfresh: np.ndarray  # int8 per group: its candidates are up to date
     slotp: np.ndarray  # float64 per bin: the continuation probability it stands for
     gaps: np.ndarray  # float64 [queue, (mu, sigma sqrt 2, mean, mu + sigma^2)]
     coef: np.ndarray  # float64 per queue-type code: alpha_q * w_type
@@ -195,7 +197,7 @@ def _add(ps, rec, s, where):
     rec[s, WHERE] = where
     _tinsert(ps, rec, s)
     ps.gcount[g] += 1
-    ps.gep[g] = -1
+    ps.gfresh[g] = 0
     if not ps.gseen[g]:
         ps.gseen[g] = 1
         ps.seen[ps.si[N_SEEN]] = g
@@ -208,7 +210,7 @@ def _remove(ps, rec, s):
     _tdelete(ps, rec, s)
     rec[s, WHERE] = 0
     ps.gcount[g] -= 1
-    ps.gep[g] = -1
+    ps.gfresh[g] = 0
 
 
 @jit
@@ -278,9 +280,9 @@ def _consider(ps, c, g, s, now, best, bscore, bstamp):
 
 
 @jit
-def _group_best(ps, c, g, now):
-    """SAECachePolicy._best of group ``g``: its candidates (list head, returned set's oldest, and under the hit
-    density the newest of both) and the least (score, stamp) among them, stored per group."""
+def _group_cands(ps, c, g):
+    """SAECachePolicy._candidates of group ``g``: its list's head, its returned set's oldest, and under the hit
+    density the newest of both (if another block); kept until the group changes."""
     rec = c.rec
     base = np.int64(g) << 33
     one = np.int64(1) << 32
@@ -290,9 +292,7 @@ def _group_best(ps, c, g, now):
     b = _lower(ps, rec, base + one)
     if b >= 0 and _tkey(rec, b) >= base + 2 * one:
         b = -1
-    best, bscore, bstamp = -1, 0.0, np.int64(0)
-    best, bscore, bstamp = _consider(ps, c, g, a, now, best, bscore, bstamp)
-    best, bscore, bstamp = _consider(ps, c, g, b, now, best, bscore, bstamp)
+    newest = -1
     if (g % GROUP_SLOT) // _TYPES != PE and (a >= 0 or b >= 0):
         lt = _below(ps, rec, base + one)
         if lt >= 0 and _tkey(rec, lt) < base:
@@ -303,8 +303,20 @@ def _group_best(ps, c, g, now):
         newest = lt
         if rt >= 0 and (lt < 0 or rec[rt, STAMP] > rec[lt, STAMP]):
             newest = rt
-        if newest != a and newest != b:
-            best, bscore, bstamp = _consider(ps, c, g, newest, now, best, bscore, bstamp)
+        if newest == a or newest == b:
+            newest = -1
+    ps.gcand[g, 0] = a
+    ps.gcand[g, 1] = b
+    ps.gcand[g, 2] = newest
+    ps.gfresh[g] = 1
+
+
+@inline
+def _group_best(ps, c, g, now):
+    """SAECachePolicy._least of group ``g``'s candidates at ``now``, stored per group."""
+    best, bscore, bstamp = -1, 0.0, np.int64(0)
+    for k in range(3):
+        best, bscore, bstamp = _consider(ps, c, g, ps.gcand[g, k], now, best, bscore, bstamp)
     ps.gslot[g] = best
     ps.gscore[g] = bscore
     ps.gstamp[g] = bstamp
@@ -323,7 +335,10 @@ def _select(ps, c, now):
         g = ps.seen[k]
         if ps.gcount[g] == 0:
             continue
-        if ps.gep[g] != epoch or ps.gnow[g] != now:
+        if not ps.gfresh[g]:
+            _group_cands(ps, c, g)
+            _group_best(ps, c, g, now)
+        elif ps.gep[g] != epoch or ps.gnow[g] != now:
             _group_best(ps, c, g, now)
         flag = 0 if (multi and (g % GROUP_SLOT) // _TYPES == PE) else 1
         score, stamp = ps.gscore[g], ps.gstamp[g]
@@ -533,11 +548,10 @@ class SAECacheTwin(Twin):
         policy, trace = self.policy, self.trace
         self._core = core
         sw = policy.switches
-        arrivals = self.arrivals = Arrivals(
-            multi_queue=sw["multi_queue"], continuation=sw["continuation"], density=sw["density"],
-            continuation_features=sw["continuation_features"], censoring=sw["censoring"],
-            pe_routing=sw["pe_routing"], continue_threshold=policy.continue_threshold, predictor=policy.predictor)
-        arrivals.bind(trace)
+        # The policy's arrivals model, fresh (its facts about the trace shared), holds the state from here on.
+        arrivals = self.arrivals = policy.arrivals.fresh()
+        if arrivals.trace is not trace:
+            arrivals.bind(trace)
         arrivals.import_state(state)
         m = len(trace)
         horizon, has_hor = _opt(state["horizon"])
@@ -566,7 +580,8 @@ class SAECacheTwin(Twin):
             gcount=np.zeros(N_GROUPS, dtype=np.int32), seen=np.zeros(N_GROUPS, dtype=np.int32),
             gseen=np.zeros(N_GROUPS, dtype=np.int8), gscore=np.zeros(N_GROUPS), gstamp=np.zeros(N_GROUPS, np.int64),
             gslot=np.zeros(N_GROUPS, dtype=np.int32), gnow=np.zeros(N_GROUPS),
-            gep=np.full(N_GROUPS, -1, dtype=np.int64), slotp=np.array([slot_p(k) for k in range(N_SLOTS + 1)]),
+            gep=np.full(N_GROUPS, -1, dtype=np.int64), gcand=np.full((N_GROUPS, 3), -1, dtype=np.int32),
+            gfresh=np.zeros(N_GROUPS, dtype=np.int8), slotp=np.array([slot_p(k) for k in range(N_SLOTS + 1)]),
             gaps=np.zeros((N_QUEUES, 4)), coef=np.zeros(GROUP_SLOT), qhits=np.zeros(N_QUEUES, dtype=np.int64),
             occ=np.zeros(N_QUEUES, dtype=np.int64), si=si, sf=sf)
         self.state.occ[:] = state["occupancy"]

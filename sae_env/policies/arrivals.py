@@ -15,6 +15,7 @@ statistics the online learners read (:meth:`window_stats`) are counted here too.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -96,6 +97,17 @@ class Arrivals:
         self._prefix_of = _structural_prefix_end(trace)
         if self.model is not None:
             self.model.bind(trace)
+
+    def fresh(self) -> Arrivals:
+        """The same switches and bound trace (its per-request facts shared, read-only), nothing seen yet: a copy to
+        :meth:`import_state` into without computing the facts again (the compiled twin's)."""
+        a = copy.copy(self)
+        a.model = None if self.model is None else self.model.fresh()
+        a.arrivals, a._sessions, a._prefix_last = 0, {}, {}
+        a._prefix_uses = a._prefix_reused = 0
+        a.p_structural = 0.5
+        a.reset_window()
+        return a
 
     def reset_window(self) -> None:
         # per queue: [n, sum ln gap, sum ln^2 gap] of re-access gaps: session inter-turn gaps (chat, agent), gaps

@@ -143,6 +143,18 @@ class ContinuationModel:
         self._zb: np.ndarray | None = None  # z @ beta, recomputed after each fit
         self._zb_from = 0
 
+    def fresh(self) -> ContinuationModel:
+        """A model with the same options, bound to the same trace (its features shared, read-only), that has learned
+        nothing yet: a copy to :meth:`import_state` into without computing the features again."""
+        m = ContinuationModel(features=self.features, censoring=self.censoring, max_turn=self.max_turn,
+                              prior=self.prior, horizon_sigmas=self.horizon_sigmas, l2=self.l2, buffer=self.buffer,
+                              predictor=self.predictor)
+        if self._trace is not None:
+            m._trace, m._session, m._bucket, m._queue, m._z = self._trace, self._session, self._bucket, self._queue, \
+                self._z
+            m._zb, m._zb_from = None, 0
+        return m
+
     def _predictor_logit(self, trace: Trace, i: int) -> float:
         r = self.predictor(trace, i)
         p = float(r) if isinstance(r, (int, float)) else float(r[0]) + float(r[1])
