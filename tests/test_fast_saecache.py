@@ -20,6 +20,7 @@ from test_saecache import session_traces, tiny
 
 from sae_env import data
 from sae_env.cache import PrefixCache
+from sae_env.fast_engine import treap
 from sae_env.fast_engine.twin import twin_class
 from sae_env.policies import make_policy
 from sae_env.replay import Replay
@@ -254,6 +255,35 @@ def test_the_state_contract_round_trips():
     copy.policy.import_state(pstate, import_cache(copy, state))
     copy.check_invariants()
     assert contract_state(copy) == contract_state(cache)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the treap behind the candidates
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 15), st.integers(0, 3), st.integers(1, 2)), max_size=80),
+       probes=st.lists(st.integers(0, 4 << 33), max_size=10))
+def test_treap_orders_slots_like_a_sorted_list(ops, probes):
+    """Slots join (if out) or leave (if in) in any order: lower / below answer as a sorted list of the keys does
+    (stamps are unique, as release stamps are)."""
+    rec = np.zeros((16, 16), dtype=np.int32)
+    root = np.full(1, -1, dtype=np.int64)
+    members: set[int] = set()
+    for stamp, (s, g, where) in enumerate(ops, 1):
+        if s in members:
+            treap.delete(root, rec, s)
+            members.discard(s)
+        else:
+            rec[s, treap.GROUP], rec[s, treap.WHERE], rec[s, treap.STAMP] = g, where, stamp
+            treap.insert(root, rec, s)
+            members.add(s)
+        keys = sorted((treap.key(rec, m), m) for m in members)
+        for k in [*probes, *(key for key, _ in keys)]:
+            ge = [m for key, m in keys if key >= k]
+            lt = [m for key, m in keys if key < k]
+            assert treap.lower(root, rec, k) == (ge[0] if ge else -1)
+            assert treap.below(root, rec, k) == (lt[-1] if lt else -1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -12,15 +12,20 @@ Victims. The Python policy keeps, per group (queue, type when typed, continuatio
 recency list and the blocks that became leaves later in returned-heaps, and scores three candidates per group: the
 list's head, the heaps' oldest top, and the group's newest block (its score rises, then falls, with idle time); the
 least ``(PE flag, score, release stamp)`` over the groups goes. Here both sets live in one treap over the slots
-keyed ``(group, set, stamp)``, which gives each of those candidates in O(log n); scores are computed by the same
-operations in the same order as :meth:`~sae_env.policies.survival.LognormalGaps.density` (numba calls the same
-libm). The Python policy's caches of candidates and scores are pure speed-ups (a fresh scan chooses the same); its
-shortcut (the parent of the last victim, released right after it into the same group, is taken without a scan
-when nothing moved since) is not always what a scan would choose on exact ties, so it is reproduced as is. Each
-group's best candidate is kept until its group changes, the clock moves or the constants change.
+keyed ``(group, set, stamp)`` (:mod:`sae_env.fast_engine.treap`), which gives each of those candidates in O(log n);
+scores are computed by the same operations in the same order as
+:meth:`~sae_env.policies.survival.LognormalGaps.density` (numba calls the same libm). The Python policy's caches
+of candidates and scores are pure speed-ups (a fresh scan chooses the same); its shortcut (the parent of the last
+victim, released right after it into the same group, is taken without a scan when nothing moved since) is not
+always what a scan would choose on exact ties, so it is reproduced as is. Each group's candidates are kept until
+the group changes, their best until the clock moves or the constants change.
 
 Row columns: the release stamp, the group (set at release; -1 before), where the block waits (0: pinned or parked,
 1: its group's list, 2: its returned set) and the treap's links.
+
+Why one piece (~560 lines): the hooks, the candidate scan and the state's load and export share one row layout and
+one set of scalars, and each hook is the compiled copy of the Python hook of the same name; split, every module
+would import every other's column and scalar names.
 """
 
 from __future__ import annotations
@@ -30,25 +35,26 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from sae_env.fast_engine import treap as tp
 from sae_env.fast_engine.jit import implements, inline, jit
-from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, P0, P1, P2, P3, P4, P5, PARENT, PIN, QUEUE
+from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QUEUE
+from sae_env.fast_engine.treap import GROUP, STAMP, WHERE
 from sae_env.fast_engine.twin import Twin, register
 from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, ST, slot_p
 from sae_env.policies.saecache import GROUP_SLOT, SAECachePolicy, gap_models, window_stats
 from sae_env.trace import TokenType
 
-STAMP, GROUP, WHERE, LEFT, RIGHT, UP = P0, P1, P2, P3, P4, P5
 N_GROUPS = GROUP_SLOT * (N_SLOTS + 1)
 _REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)
 _TYPES = 8  # TYPE_SLOTS: queue_type_code = queue * 8 + type
 _TINY = 1e-300
 # Integer scalars: releases so far, the next victim's shortcut (slot, stamp), the deferred block, acquires or
-# releases since the last scan, whether the scan instant is set, the treap's root, groups seen, the constants'
+# releases since the last scan, whether the scan instant is set, groups seen, the constants'
 # epoch, blocks inserted since the last turnover estimate, whether the window's start / the insertion rate / the
 # horizon are known, multi_queue, type_weights, the request context (prompt and output queue, bin, prompt blocks,
 # reasoning output).
-SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, ROOT, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
-    MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON = range(20)
+SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
+    MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON = range(19)
 # Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
 # structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity.
 CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, EXP_MEAN_CH, CAPACITY = range(9)
@@ -76,117 +82,11 @@ class SAEState(NamedTuple):
     slotp: np.ndarray  # float64 per bin: the continuation probability it stands for
     gaps: np.ndarray  # float64 [queue, (mu, sigma sqrt 2, mean, mu + sigma^2)]
     coef: np.ndarray  # float64 per queue-type code: alpha_q * w_type
+    root: np.ndarray  # int64 [1]: the treap's root (sae_env.fast_engine.treap)
     qhits: np.ndarray  # int64 per queue: hits this window
     occ: np.ndarray  # int64 per queue: cached blocks
     si: np.ndarray
     sf: np.ndarray
-
-
-# -- the treap over (group, set, stamp) ------------------------------------------------------------------------------
-@inline
-def _tkey(rec, s):
-    return (np.int64(rec[s, GROUP]) << 33) | (np.int64(rec[s, WHERE] - 1) << 32) | np.int64(rec[s, STAMP])
-
-
-@inline
-def _prio(s):
-    return ((np.int64(s) + 1) * 2654435761) & 0xFFFFFFFF
-
-
-@inline
-def _rotate_up(ps, rec, s):
-    p = rec[s, UP]
-    g = rec[p, UP]
-    if rec[p, LEFT] == s:
-        x = rec[s, RIGHT]
-        rec[p, LEFT] = x
-        if x >= 0:
-            rec[x, UP] = p
-        rec[s, RIGHT] = p
-    else:
-        x = rec[s, LEFT]
-        rec[p, RIGHT] = x
-        if x >= 0:
-            rec[x, UP] = p
-        rec[s, LEFT] = p
-    rec[p, UP] = s
-    rec[s, UP] = g
-    if g < 0:
-        ps.si[ROOT] = s
-    elif rec[g, LEFT] == p:
-        rec[g, LEFT] = s
-    else:
-        rec[g, RIGHT] = s
-
-
-@inline
-def _tinsert(ps, rec, s):
-    rec[s, LEFT] = -1
-    rec[s, RIGHT] = -1
-    x = ps.si[ROOT]
-    if x < 0:
-        rec[s, UP] = -1
-        ps.si[ROOT] = s
-        return
-    k = _tkey(rec, s)
-    while True:
-        if k < _tkey(rec, x):
-            if rec[x, LEFT] < 0:
-                rec[x, LEFT] = s
-                break
-            x = rec[x, LEFT]
-        else:
-            if rec[x, RIGHT] < 0:
-                rec[x, RIGHT] = s
-                break
-            x = rec[x, RIGHT]
-    rec[s, UP] = x
-    ps_ = _prio(s)
-    while rec[s, UP] >= 0 and ps_ > _prio(rec[s, UP]):
-        _rotate_up(ps, rec, s)
-
-
-@inline
-def _tdelete(ps, rec, s):
-    while rec[s, LEFT] >= 0 or rec[s, RIGHT] >= 0:
-        a, b = rec[s, LEFT], rec[s, RIGHT]
-        c = a if b < 0 or (a >= 0 and _prio(a) > _prio(b)) else b
-        _rotate_up(ps, rec, c)
-    p = rec[s, UP]
-    if p < 0:
-        ps.si[ROOT] = -1
-    elif rec[p, LEFT] == s:
-        rec[p, LEFT] = -1
-    else:
-        rec[p, RIGHT] = -1
-
-
-@inline
-def _lower(ps, rec, k):
-    """The slot of the least key >= k (-1: none)."""
-    x = ps.si[ROOT]
-    best = -1
-    while x >= 0:
-        if _tkey(rec, x) >= k:
-            best = x
-            x = rec[x, LEFT]
-        else:
-            x = rec[x, RIGHT]
-    return best
-
-
-@inline
-def _below(ps, rec, k):
-    """The slot of the greatest key < k (-1: none)."""
-    x = ps.si[ROOT]
-    best = -1
-    while x >= 0:
-        if _tkey(rec, x) < k:
-            best = x
-            x = rec[x, RIGHT]
-        else:
-            x = rec[x, LEFT]
-    return best
 
 
 # -- the groups' sets ------------------------------------------------------------------------------------------------
@@ -195,7 +95,7 @@ def _add(ps, rec, s, where):
     """Slot ``s`` joins its group's list (where=1) or returned set (where=2)."""
     g = rec[s, GROUP]
     rec[s, WHERE] = where
-    _tinsert(ps, rec, s)
+    tp.insert(ps.root, rec, s)
     ps.gcount[g] += 1
     ps.gfresh[g] = 0
     if not ps.gseen[g]:
@@ -207,7 +107,7 @@ def _add(ps, rec, s, where):
 @inline
 def _remove(ps, rec, s):
     g = rec[s, GROUP]
-    _tdelete(ps, rec, s)
+    tp.delete(ps.root, rec, s)
     rec[s, WHERE] = 0
     ps.gcount[g] -= 1
     ps.gfresh[g] = 0
@@ -286,19 +186,19 @@ def _group_cands(ps, c, g):
     rec = c.rec
     base = np.int64(g) << 33
     one = np.int64(1) << 32
-    a = _lower(ps, rec, base)
-    if a >= 0 and _tkey(rec, a) >= base + one:
+    a = tp.lower(ps.root, rec, base)
+    if a >= 0 and tp.key(rec, a) >= base + one:
         a = -1
-    b = _lower(ps, rec, base + one)
-    if b >= 0 and _tkey(rec, b) >= base + 2 * one:
+    b = tp.lower(ps.root, rec, base + one)
+    if b >= 0 and tp.key(rec, b) >= base + 2 * one:
         b = -1
     newest = -1
     if (g % GROUP_SLOT) // _TYPES != PE and (a >= 0 or b >= 0):
-        lt = _below(ps, rec, base + one)
-        if lt >= 0 and _tkey(rec, lt) < base:
+        lt = tp.below(ps.root, rec, base + one)
+        if lt >= 0 and tp.key(rec, lt) < base:
             lt = -1
-        rt = _below(ps, rec, base + 2 * one)
-        if rt >= 0 and _tkey(rec, rt) < base + one:
+        rt = tp.below(ps.root, rec, base + 2 * one)
+        if rt >= 0 and tp.key(rec, rt) < base + one:
             rt = -1
         newest = lt
         if rt >= 0 and (lt < 0 or rec[rt, STAMP] > rec[lt, STAMP]):
@@ -558,11 +458,11 @@ class SAECacheTwin(Twin):
         ins_rate, has_rate = _opt(state["ins_rate"])
         win_t0, has_t0 = _opt(state["window_t0"])
         cand_now, cand_ok = _opt(state["cand_now"])
-        si = np.zeros(20, dtype=np.int64)
-        si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, ROOT, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
+        si = np.zeros(19, dtype=np.int64)
+        si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
             TYPED, PQ, OQ, SLOT, NPROMPT, OREASON]] = [
             state["released"], state["next_up"], state["next_stamp"], state["deferred"], state["stale"], cand_ok,
-            -1, state["window_inserted"], has_t0, has_rate, has_hor, sw["multi_queue"], sw["type_weights"],
+            state["window_inserted"], has_t0, has_rate, has_hor, sw["multi_queue"], sw["type_weights"],
             state["prompt_queue"], state["output_queue"], state["slot"], state["n_prompt"],
             state["output_reasoning"]]
         sf = np.zeros(9)
@@ -582,8 +482,8 @@ class SAECacheTwin(Twin):
             gslot=np.zeros(N_GROUPS, dtype=np.int32), gnow=np.zeros(N_GROUPS),
             gep=np.full(N_GROUPS, -1, dtype=np.int64), gcand=np.full((N_GROUPS, 3), -1, dtype=np.int32),
             gfresh=np.zeros(N_GROUPS, dtype=np.int8), slotp=np.array([slot_p(k) for k in range(N_SLOTS + 1)]),
-            gaps=np.zeros((N_QUEUES, 4)), coef=np.zeros(GROUP_SLOT), qhits=np.zeros(N_QUEUES, dtype=np.int64),
-            occ=np.zeros(N_QUEUES, dtype=np.int64), si=si, sf=sf)
+            gaps=np.zeros((N_QUEUES, 4)), coef=np.zeros(GROUP_SLOT), root=np.full(1, -1, dtype=np.int64),
+            qhits=np.zeros(N_QUEUES, dtype=np.int64), occ=np.zeros(N_QUEUES, dtype=np.int64), si=si, sf=sf)
         self.state.occ[:] = state["occupancy"]
         self.state.qhits[:] = state["queue_hits"]
         self._constants()

@@ -61,7 +61,7 @@ as ended, as LPC counts), ``pe_routing`` (on: requests with p below ``continue_t
 (the paper's ranking: off routes first requests by rule only; under the continuation model a predictor is one of
 its features). With every switch off the policy evicts in LRU order (a test checks it against ``lru``).
 
-Why one piece (~920 lines): the recency lists, the returned-heaps and the cached candidates are the policy's state,
+Why one piece (~900 lines): the recency lists, the returned-heaps and the cached candidates are the policy's state,
 not a container beside it. Every hook moves a block between them while it routes and scores it (``on_release``
 stamps, groups and lists a block in one pass; ``evict`` takes the parent of its last victim by knowing how that
 victim was scored), and ``check_invariants`` checks both together. A separate candidate structure would cost a call
