@@ -213,6 +213,30 @@ def test_embedded_real_traces_agree_timed(trace_name):
 # the state contract: hand-over in both directions after any window
 
 
+def hand_over(ref: Replay, moved: Replay, stops: list[int], state=contract_state, timed: bool = False) -> None:
+    """Step both replays ``stops[k]`` windows at a time, moving ``moved`` to the other engine after each run (to
+    Python: its rebuilt objects, ``state(cache)``, and in timed mode :func:`timed_state`, must equal the reference's),
+    then finish both: every window must be equal."""
+    for stop in stops:
+        for _ in range(stop):
+            if ref.done:
+                break
+            ref.step()
+            moved.step()
+        if moved.engine == "fast":
+            cache = moved.to_python()
+            assert moved.engine == "python"
+            cache.check_invariants()
+            assert state(cache) == state(ref.to_python())
+            if timed:
+                assert timed_state(moved) == timed_state(ref)
+        else:
+            assert moved.to_fast()
+    ref.run()
+    moved.run()
+    assert_same_windows(ref, moved)
+
+
 @pytest.mark.parametrize("name", COMPILED)
 @settings(max_examples=25, deadline=None, report_multiple_bugs=False)
 @given(trace=prefix_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 6),
@@ -225,22 +249,7 @@ def test_hand_over_both_ways_after_any_window(name, trace, capacity, window, sto
                  engine="python")
     moved = Replay(trace, PrefixCache(capacity, make_policy(name), ghost_capacity=ghosts), window_requests=window)
     assert moved.engine == "fast"
-    for stop in stops:
-        for _ in range(stop):
-            if ref.done:
-                break
-            ref.step()
-            moved.step()
-        if moved.engine == "fast":
-            cache = moved.to_python()
-            assert moved.engine == "python"
-            cache.check_invariants()
-            assert contract_state(cache) == contract_state(ref.to_python())
-        else:
-            assert moved.to_fast()
-    ref.run()
-    moved.run()
-    assert_same_windows(ref, moved)
+    hand_over(ref, moved, stops)
     assert contract_state(moved.to_python()) == contract_state(ref.to_python())
 
 
@@ -263,22 +272,7 @@ def test_timed_hand_over_both_ways_after_any_window(name, trace, capacity, windo
                  engine="python")
     moved = Replay(trace, PrefixCache(capacity, make_policy(name)), make_server(server), window_requests=window)
     assert moved.engine == "fast"
-    for stop in stops:
-        for _ in range(stop):
-            if ref.done:
-                break
-            ref.step()
-            moved.step()
-        if moved.engine == "fast":
-            cache = moved.to_python()
-            cache.check_invariants()
-            assert contract_state(cache) == contract_state(ref.to_python())
-            assert timed_state(moved) == timed_state(ref)
-        else:
-            assert moved.to_fast()
-    ref.run()
-    moved.run()
-    assert_same_windows(ref, moved)
+    hand_over(ref, moved, stops, timed=True)
 
 
 @pytest.mark.parametrize("name", COMPILED)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fast_engine import SERVER, assert_same_windows, timed_state
+from test_fast_engine import SERVER, assert_same_windows, hand_over
 from test_saecache import session_traces, tiny
 
 from sae_env import data
@@ -175,21 +175,7 @@ def test_hand_over_both_ways_after_any_window(trace, capacity, window, stops, op
                  engine="python")
     moved = Replay(trace, PrefixCache(capacity, make_policy("saecache", **options)), window_requests=window)
     assert moved.engine == "fast"
-    for stop in stops:
-        for _ in range(stop):
-            if ref.done:
-                break
-            ref.step()
-            moved.step()
-        if moved.engine == "fast":
-            cache = moved.to_python()
-            cache.check_invariants()
-            assert contract_state(cache) == contract_state(ref.to_python())
-        else:
-            assert moved.to_fast()
-    ref.run()
-    moved.run()
-    assert_same_windows(ref, moved)
+    hand_over(ref, moved, stops, contract_state)
     assert contract_state(moved.to_python()) == contract_state(ref.to_python())
 
 
@@ -203,22 +189,7 @@ def test_timed_hand_over_both_ways_after_any_window(trace, capacity, window, sto
     moved = Replay(trace, PrefixCache(capacity, make_policy("saecache")), make_server(server),
                    window_requests=window)
     assert moved.engine == "fast"
-    for stop in stops:
-        for _ in range(stop):
-            if ref.done:
-                break
-            ref.step()
-            moved.step()
-        if moved.engine == "fast":
-            cache = moved.to_python()
-            cache.check_invariants()
-            assert contract_state(cache) == contract_state(ref.to_python())
-            assert timed_state(moved) == timed_state(ref)
-        else:
-            assert moved.to_fast()
-    ref.run()
-    moved.run()
-    assert_same_windows(ref, moved)
+    hand_over(ref, moved, stops, contract_state, timed=True)
 
 
 def test_hand_over_on_a_real_trace():
