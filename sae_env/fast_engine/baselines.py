@@ -319,7 +319,7 @@ def _s3_insert(ps, c, s, now):
 @implements(S3State, "on_hit")
 def _s3_hit(ps, c, path, i0, i1, now):
     rec = c.rec
-    cap = ps.pp[MAX_FREQ]  # (arrays out of the tuples before the loop: see loop.insert_run)
+    cap = ps.pp[MAX_FREQ]
     for i in range(i0, i1):
         s = path[i]
         if rec[s, FREQ] < cap:

@@ -63,8 +63,8 @@ class SessionState(NamedTuple):
 @inline
 def _context(ps, c):
     """What _next needs of the request whose hooks run: (the latest request admitted, the occurrence of its first
-    prompt block, of its first output block minus its prompt length, its prompt length), read once per hook call
-    (see loop.insert_run on reading arrays out of tuples)."""
+    prompt block, of its first output block minus its prompt length, its prompt length), read once per hook
+    call."""
     i = ps.ctx[CONTEXT]
     po = c.po
     n_prompt = po[i + 1] - po[i]
