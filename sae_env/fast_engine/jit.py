@@ -139,8 +139,47 @@ def _stamp_the_whole_package() -> None:
     caching.CacheImpl._locator_classes[:0] = ours
 
 
+def _copy_callee_ir_once() -> None:
+    """numba's inliner (``InlineWorker.inline_ir``, numba 0.59-0.68 at least) deep-copies a callee's IR block by
+    block, each block with a copy of the function's whole scope (every variable): blocks x variables per copy, two
+    copies per call site. Inlined into one kernel, SAECache's hooks made that 70 % of a 75-second compile (numba
+    issues 8989, 9204). Here the copies of one ``inline_ir`` call share one memo, so the IR is copied as the one
+    object graph it is: the same IR, in time linear in its size. Only the copy module seen by numba's inliner
+    changes, and only during ``inline_ir``; should numba's internals move, inlining stays as numba does it."""
+    try:
+        import copy as _copy
+
+        from numba.core import inline_closurecall as icc
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(getattr(icc, "InlineWorker", None), "inline_ir", None)
+    if original is None or getattr(icc, "copy", None) is not _copy or getattr(original, "_shared_memo", False):
+        return  # pragma: no cover - another numba, or patched already
+
+    class SharedMemo:
+        def __init__(self):
+            self.memo: dict = {}
+
+        def deepcopy(self, x, memo=None):
+            return _copy.deepcopy(x, self.memo if memo is None else memo)
+
+        def __getattr__(self, name):
+            return getattr(_copy, name)
+
+    def inline_ir(self, *args, **kwargs):
+        icc.copy = SharedMemo()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            icc.copy = _copy
+
+    inline_ir._shared_memo = True
+    icc.InlineWorker.inline_ir = inline_ir
+
+
 if AVAILABLE:
     _stamp_the_whole_package()
+    _copy_callee_ir_once()
 
 
 # The no-op of each hook (evict has none: a policy must choose its victims).

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sae_env.fast_engine.jit import inline
+from sae_env.fast_engine.jit import inline, jit
 from sae_env.fast_engine.loop import P0, P1, P2, P3, P4, P5
 
 __all__ = ["GROUP", "LEFT", "RIGHT", "STAMP", "UP", "WHERE", "below", "delete", "insert", "key", "lower"]
@@ -57,7 +57,7 @@ def _rotate_up(root, rec, s):
         rec[g, RIGHT] = s
 
 
-@inline
+@jit
 def insert(root, rec, s):
     """Slot ``s`` joins (its key read from its row)."""
     rec[s, LEFT] = -1
@@ -85,7 +85,7 @@ def insert(root, rec, s):
         _rotate_up(root, rec, s)
 
 
-@inline
+@jit
 def delete(root, rec, s):
     """Slot ``s`` (a member) leaves: rotated down to a leaf, then cut off."""
     while rec[s, LEFT] >= 0 or rec[s, RIGHT] >= 0:
@@ -101,7 +101,7 @@ def delete(root, rec, s):
         rec[p, RIGHT] = -1
 
 
-@inline
+@jit
 def lower(root, rec, k):
     """The slot of the least key >= k (-1: none)."""
     x = root[0]
@@ -115,7 +115,7 @@ def lower(root, rec, k):
     return best
 
 
-@inline
+@jit
 def below(root, rec, k):
     """The slot of the greatest key < k (-1: none)."""
     x = root[0]
