@@ -468,3 +468,18 @@ def test_engine_memory_is_per_capacity():
     r.run()
     assert r.occupancy == 1000
     assert r._fast.nbytes <= 1000 * (16 * 4 + 2 * 5 + 64) + 12 * ids.size + 4096
+
+
+def test_importing_one_twin_module_first_hides_no_other_twin():
+    """The twin registry fills itself on first use; a twin module imported directly before that must not make it
+    look full (lru then ran on the Python engine)."""
+    import subprocess
+    import sys
+
+    code = ("import sae_env.fast_engine.saecache\n"
+            "from sae_env.cache import PrefixCache\nfrom sae_env.policies import make_policy\n"
+            "from sae_env.replay import Replay\nfrom sae_env.sources import open_trace\n"
+            "trace, _ = open_trace('taubench')\n"
+            "print(*(Replay(trace[:50], PrefixCache(64, make_policy(n))).engine for n in ('lru', 'lpc', 'saecache')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["fast", "fast", "fast"]

@@ -35,9 +35,8 @@ def register(twin: type[Twin]) -> type[Twin]:
 
 def twin_class(policy: Any) -> type[Twin] | None:
     """The twin of ``policy``'s class exactly (a subclass may override hooks the twin does not mirror), or None."""
-    if not _TWINS:
-        for m in _MODULES:
-            importlib.import_module(m)
+    for m in _MODULES:  # every time: importing one of them directly must not hide the others' twins
+        importlib.import_module(m)
     return _TWINS.get(type(policy))
 
 
