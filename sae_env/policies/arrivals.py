@@ -88,13 +88,12 @@ class Arrivals:
     def bind(self, trace: Trace) -> None:
         """Per-request facts, as Python lists: reading them from numpy per request costs more."""
         self.trace = trace
-        self._app_of = trace.app.tolist()
-        self._turn_of = trace.turn.tolist()
         self._session_of = trace.session.tolist()
         self.n_prompt_of = np.maximum(np.diff(trace.prompt_offsets), 1).tolist()  # (at least 1) per request
         self._templated_of = _any_per_request(trace.prompt_types == TokenType.TEMPLATE, trace.prompt_offsets)
         self.reasoning_of = _any_per_request(trace.output_types == TokenType.REASONING, trace.output_offsets)
         self._prefix_of = _structural_prefix_end(trace)
+        self._queue_of = self._queues(trace)
         if self.model is not None:
             self.model.bind(trace)
 
@@ -116,23 +115,31 @@ class Arrivals:
 
     def session_queue(self, trace: Trace, i: int) -> int:
         """Queue of a request's temporal blocks: CH / AG for (predicted) multi-turn sessions, else PE."""
-        if not self.multi_queue:
-            return CH
         if trace is not self.trace:
             self.bind(trace)
-        app, turn = self._app_of[i], self._turn_of[i]
-        if self.continuation or turn > 1:
-            return AG if app == AppType.AGENT else CH
-        if self.predictor is not None:
+        return self._queue_of[i]
+
+    def _queues(self, trace: Trace) -> list[int]:
+        """:meth:`session_queue` of every request (it depends on the request alone: the predictor, where it routes,
+        reads request ``i`` only)."""
+        n = len(trace)
+        if not self.multi_queue:
+            return [CH] * n
+        agent = trace.app == AppType.AGENT
+        by_app = np.where(agent, AG, CH)
+        if self.continuation:
+            return by_app.tolist()
+        first = trace.turn <= 1
+        if self.predictor is None:
+            # By rule, from what the request shows: tool schemas mark an agent call; a templated prompt (TEMPLATE
+            # blocks) an API-style single-turn request; anything else may be the start of a conversation.
+            templated = np.asarray(self._templated_of, dtype=bool)
+            return np.where(first & ~agent & templated, PE, by_app).tolist()
+        out = by_app.tolist()
+        for i in np.flatnonzero(first).tolist():
             p_chat, p_agent = self.predictor(trace, i)
-            if max(p_chat, p_agent) >= self.continue_threshold:
-                return AG if p_agent > p_chat else CH
-            return PE
-        # By rule, from what the request shows: tool schemas mark an agent call; a templated prompt (TEMPLATE
-        # blocks) an API-style single-turn request; anything else may be the start of a conversation.
-        if app == AppType.AGENT:
-            return AG
-        return PE if self._templated_of[i] else CH
+            out[i] = (AG if p_agent > p_chat else CH) if max(p_chat, p_agent) >= self.continue_threshold else PE
+        return out
 
     def arrive(self, trace: Trace, i: int, now: float) -> tuple[int, int, bool, bool]:
         """Request ``i`` arrived at ``now``: returns its queue, its continuation bin (0: none), whether the policy
@@ -141,13 +148,14 @@ class Arrivals:
         if trace is not self.trace:
             self.bind(trace)
         self.arrivals += 1
-        refit = (self.density or self.model is not None) and self.arrivals % REFIT_EVERY == 0
-        if refit and self.model is not None:
-            self.model.update(now, self.gaps)
-        q = self.session_queue(trace, i)
+        model = self.model
+        refit = (self.density or model is not None) and self.arrivals % REFIT_EVERY == 0
+        if refit and model is not None:
+            model.update(now, self.gaps)
+        q = self._queue_of[i]
         slot = 0
-        if self.model is not None:
-            p = self.model.arrive(i, now)
+        if model is not None:
+            p = model.arrive(i, now)
             if self.pe_routing and self.multi_queue and p < self.continue_threshold:
                 q = PE
             if self.density:
@@ -155,7 +163,7 @@ class Arrivals:
         s = self._session_of[i]
         if s >= 0:
             last = self._sessions.get(s)
-            if last is not None and q in (CH, AG):
+            if last is not None and (q == CH or q == AG):
                 gap = now - last[0]
                 if gap > 0:
                     self._add_gap(q, gap)
@@ -224,12 +232,12 @@ def _structural_prefix_end(trace: Trace) -> list[int | None]:
     """Per request, the key of the last block of its leading run of SYSTEM / TEMPLATE blocks (its shared prefix),
     or None: uses of one shared prefix are the re-accesses the structural queue's gap distribution describes."""
     offsets = trace.prompt_offsets
-    lengths = np.diff(offsets)
-    req_of = np.repeat(np.arange(len(trace), dtype=np.int64), lengths)
-    pos = np.arange(trace.n_blocks, dtype=np.int64) - np.repeat(offsets[:-1], lengths)
-    run = lengths.astype(np.int64)  # the leading run ends at the first non-structural block
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    # the leading run ends at the request's first non-structural block (or at its end)
     other = np.flatnonzero(trace.prompt_types > _TEMPLATE)
-    np.minimum.at(run, req_of[other], pos[other])
+    first = np.searchsorted(other, starts)
+    first_other = np.append(other, trace.n_blocks)[first]
+    run = np.minimum(first_other - starts, lengths)
     keys = trace.prompt_keys
     return [int(keys[offsets[i] + r - 1]) if r > 0 else None for i, r in enumerate(run.tolist())]
 

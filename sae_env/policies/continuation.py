@@ -30,13 +30,14 @@ taken as ended (with ``horizon_sigmas = 3``, 0.13 % of log-normal gaps are longe
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from sae_env.policies.survival import LognormalGaps
-from sae_env.trace import AppType, TokenType, Trace
+from sae_env.trace import N_TOKEN_TYPES, AppType, TokenType, Trace
 
 __all__ = ["ContinuationModel"]
 
@@ -106,8 +107,10 @@ class ContinuationModel:
         sid = trace.session_ids()
         self._session = sid.tolist()
         turn = np.maximum(trace.turn.astype(np.int64), 1)
-        self._bucket = np.minimum(turn, self.max_turn).tolist()
-        self._queue = (trace.app == AppType.AGENT).astype(np.int8).tolist()  # 0 chat gaps, 1 agent gaps
+        # as arrays for the refits (vectorised) and as lists for the per-arrival path (faster to index one at a time)
+        self._bucket_a = np.minimum(turn, self.max_turn)
+        self._agent_a = trace.app == AppType.AGENT  # gaps of the agent queue (else chat)
+        self._bucket = self._bucket_a.tolist()
         # The session's previous request, by a stable sort on session id (requests are in arrival order).
         order = np.lexsort((np.arange(n), sid))
         prev = np.full(n, -1, dtype=np.int64)
@@ -119,10 +122,14 @@ class ContinuationModel:
         offsets = trace.prompt_offsets
         n_blocks = np.maximum(np.diff(offsets), 1)
 
+        # Blocks of each token type per request, in one pass over the blocks (exact counts: the shares below are
+        # the same floats as counting each type apart).
+        req_of = np.repeat(np.arange(n, dtype=np.int64), np.diff(offsets))
+        counts = np.bincount(req_of * N_TOKEN_TYPES + trace.prompt_types, minlength=n * N_TOKEN_TYPES)
+        counts = counts.reshape(n, N_TOKEN_TYPES)
+
         def share(*types: TokenType) -> np.ndarray:
-            flags = np.isin(trace.prompt_types, [int(t) for t in types])
-            counts = np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])
-            return (counts[offsets[1:]] - counts[offsets[:-1]]) / n_blocks
+            return counts[:, [int(t) for t in types]].sum(axis=1) / n_blocks
 
         z = np.zeros((n, _N_FEATURES))
         z[:, 0] = np.log1p(trace.prompt_tokens) / 10.0
@@ -150,8 +157,8 @@ class ContinuationModel:
                               prior=self.prior, horizon_sigmas=self.horizon_sigmas, l2=self.l2, buffer=self.buffer,
                               predictor=self.predictor)
         if self._trace is not None:
-            m._trace, m._session, m._bucket, m._queue, m._z = self._trace, self._session, self._bucket, self._queue, \
-                self._z
+            m._trace, m._session, m._bucket, m._bucket_a, m._agent_a, m._z = (
+                self._trace, self._session, self._bucket, self._bucket_a, self._agent_a, self._z)
             m._zb, m._zb_from = None, 0
         return m
 
@@ -164,22 +171,43 @@ class ContinuationModel:
 
     # -- online use ------------------------------------------------------------------------------------------
     def arrive(self, i: int, now: float) -> float:
-        """Request ``i`` arrived: its session's previous request is labelled continued; returns ``p_i``."""
+        """Request ``i`` arrived: its session's previous request is labelled continued; returns ``p_i``.
+
+        The hottest path of the model (every request): _unpend, _label, _refresh_rate and p written out, the
+        same arithmetic in the same order."""
         s = self._session[i]
+        a, b = self.prior
         j = self._last_of.get(s)
         if j is not None:
             pend = self._pending.pop(j, None)
-            if pend is not None:
-                self._unpend(j, pend[1])
-                self._label(j, 1.0)
+            if pend is not None:  # j continued: pending -> labelled
+                k = self._bucket[j]
+                self._n_pending[k] -= 1
+                self._alive[k] -= pend[1]
+                self._continued[k] += 1
+                self._refresh_rate(k)
+                labelled = self._labelled
+                labelled.append((j, 1.0))
+                if len(labelled) > 2 * self.buffer:
+                    del labelled[:-self.buffer]
         self._last_of[s] = i
         k = self._bucket[i]
-        w = self._rates[k] if self.censoring else 0.0  # a fresh request is alive with the prior probability
+        rates = self._rates
+        w = rates[k] if self.censoring else 0.0  # a fresh request is alive with the prior probability
         self._pending[i] = (now, w)
         self._n_pending[k] += 1
         self._alive[k] += w
-        self._refresh_rate(k)
-        return self.p(i)
+        c = self._continued[k]
+        r = (c + self._alive[k] + a) / (c + self._ended[k] + self._n_pending[k] + a + b)
+        rates[k] = r
+        self.rates[k] = r
+        if not self.features:
+            return float(r)
+        zb = self._zb
+        if zb is None or not (self._zb_from <= i < self._zb_from + zb.size):
+            return self.p(i)
+        x = _logit(min(max(r, _P_CLIP), 1.0 - _P_CLIP)) + float(zb[i - self._zb_from])
+        return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
 
     def _unpend(self, i: int, w: float) -> None:
         k = self._bucket[i]
@@ -220,18 +248,23 @@ class ContinuationModel:
         """Label sessions idle past the horizon as ended, then refit the rates and the correction.
 
         ``gaps[q]`` is the gap distribution of queue ``q`` (0: chat, 1: agent)."""
-        horizons = [g.upper(self.horizon_sigmas) for g in gaps]
-        queue = self._queue
-        for i, (t, w) in list(self._pending.items()):
-            if now - t > horizons[queue[i]]:
-                del self._pending[i]
-                self._unpend(i, w)
-                self._label(i, 0.0)
-        pend = np.fromiter(self._pending.keys(), dtype=np.int64, count=len(self._pending))
-        idle = now - np.array([t for t, _ in self._pending.values()], dtype=np.float64)
-        agent = np.asarray(queue, dtype=bool)[pend] if pend.size else np.zeros(0, dtype=bool)
+        horizon_chat, horizon_agent = (g.upper(self.horizon_sigmas) for g in gaps)
+        pending = self._pending
+        n = len(pending)
+        pend = np.fromiter(pending.keys(), dtype=np.int64, count=n)
+        tw = np.fromiter(itertools.chain.from_iterable(pending.values()), dtype=np.float64, count=2 * n)
+        t_pend, w_pend = tw[0::2], tw[1::2]
+        agent = self._agent_a[pend]
+        over = now - t_pend > np.where(agent, horizon_agent, horizon_chat)  # idle past the horizon: ended
+        for i, w in zip(pend[over].tolist(), w_pend[over].tolist(), strict=True):  # in arrival order
+            del pending[i]
+            self._unpend(i, w)
+            self._label(i, 0.0)
+        kept = ~over
+        pend, t_pend, agent = pend[kept], t_pend[kept], agent[kept]
+        idle = now - t_pend
         surv = np.where(agent, gaps[1].sf_array(idle), gaps[0].sf_array(idle)) if pend.size else np.zeros(0)
-        bucket = np.asarray(self._bucket, dtype=np.int64)[pend] if pend.size else np.zeros(0, dtype=np.int64)
+        bucket = self._bucket_a[pend]
         a, b = self.prior
         k = self.max_turn + 1
         n_pend = np.bincount(bucket, minlength=k)
@@ -245,20 +278,22 @@ class ContinuationModel:
         self._alive = np.bincount(bucket, weights=soft, minlength=k).tolist()
         self._n_pending = n_pend.tolist()
         self._rates = self.rates.tolist()
-        for i, w in zip(pend.tolist(), soft.tolist(), strict=True):
-            self._pending[i] = (self._pending[i][0], w)
+        self._pending = dict(zip(pend.tolist(), zip(t_pend.tolist(), soft.tolist(), strict=True), strict=True))
         if self.features and (self._labelled or pend.size):
             self._fit(pend, surv)
 
     def _fit(self, pend: np.ndarray, surv: np.ndarray) -> None:
         lab = self._labelled[-self.buffer:]
-        idx = np.array([i for i, _ in lab] + pend.tolist(), dtype=np.int64)
-        y = np.array([y for _, y in lab] + [0.0] * pend.size)
+        n_lab = len(lab)
+        idx = np.empty(n_lab + pend.size, dtype=np.int64)
+        y = np.zeros(idx.size)
+        if n_lab:
+            idx[:n_lab], y[:n_lab] = zip(*lab, strict=True)
+        idx[n_lab:] = pend
         z = self._z[idx]
-        r = np.clip(self.rates[np.asarray(self._bucket, dtype=np.int64)[idx]], _P_CLIP, 1.0 - _P_CLIP)
+        r = np.clip(self.rates[self._bucket_a[idx]], _P_CLIP, 1.0 - _P_CLIP)
         offset = np.log(r / (1.0 - r))
         beta = self.beta
-        n_lab = len(lab)
         for _ in range(_NEWTON_STEPS):
             p = 1.0 / (1.0 + np.exp(-np.clip(offset + z @ beta, -700, 700)))
             if pend.size and self.censoring:  # soft labels: the posterior that the pending session is alive
