@@ -105,7 +105,7 @@ def test_features_of_a_request_ignore_later_requests():
     k = len(trace) // 2
     other = ContinuationModel()
     other.bind(trace.take(np.arange(k)))
-    np.testing.assert_array_equal(model._z[:k], other._z)
+    np.testing.assert_array_equal(model.feature_rows(np.arange(k)), other.feature_rows(slice(0, k)))
 
 
 @settings(max_examples=40, deadline=None)
@@ -140,8 +140,9 @@ def test_predictor_is_a_feature_of_first_requests():
     model.bind(trace)
     first = np.flatnonzero(trace.turn == 1)
     assert sorted(asked) == first.tolist()
-    assert np.allclose(model._z[first, 8], math.log(0.8 / 0.2) / 5)
-    assert not model._z[trace.turn > 1, 8].any()
+    z = model.feature_rows(slice(0, len(trace)))
+    assert np.allclose(z[first, 8], math.log(0.8 / 0.2) / 5)
+    assert not z[trace.turn > 1, 8].any()
 
     def bad(tr, i):
         return (0.9, 0.9)
@@ -155,3 +156,52 @@ def test_predictor_is_a_feature_of_first_requests():
 def test_bad_options(kwargs):
     with pytest.raises(ValueError):
         ContinuationModel(**kwargs)
+
+
+def reference_features(trace: Trace) -> np.ndarray:
+    """The whole feature matrix computed at once, column by column, as the model computed it before it kept only
+    per-request counts (the model's rows must be these floats, bit for bit: its fits read them)."""
+    n = len(trace)
+    sid = trace.session_ids()
+    order = np.lexsort((np.arange(n), sid))
+    prev = np.full(n, -1, dtype=np.int64)
+    same = sid[order[1:]] == sid[order[:-1]]
+    prev[order[1:][same]] = order[:-1][same]
+    has_prev = prev >= 0
+    p_prev = np.where(has_prev, trace.prompt_tokens[np.maximum(prev, 0)], 0)
+    gap = np.where(has_prev, trace.t - trace.t[np.maximum(prev, 0)], 0.0)
+    offsets = trace.prompt_offsets
+    n_blocks = np.maximum(np.diff(offsets), 1)
+
+    def share(*types: TokenType) -> np.ndarray:
+        flags = np.isin(trace.prompt_types, [int(t) for t in types])
+        counts = np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])
+        return (counts[offsets[1:]] - counts[offsets[:-1]]) / n_blocks
+
+    z = np.zeros((n, 9))
+    z[:, 0] = np.log1p(trace.prompt_tokens) / 10.0
+    z[:, 1] = np.log1p(np.maximum(trace.prompt_tokens - p_prev, 0)) / 10.0
+    z[:, 2] = np.log1p(np.maximum(gap, 0.0)) / 10.0
+    z[:, 3] = share(TokenType.USER)
+    z[:, 4] = share(TokenType.ASSISTANT)
+    z[:, 5] = share(TokenType.TOOL_OUTPUT)
+    z[:, 6] = share(TokenType.SYSTEM, TokenType.TEMPLATE)
+    z[:, 7] = trace.app == AppType.AGENT
+    return z
+
+
+@pytest.mark.parametrize("name", ["wildchat", "taubench", "mooncake_arxiv", "real_agent", "real_templated"])
+def test_feature_rows_equal_the_whole_matrix_bit_for_bit(name):
+    from sae_env.sources import open_trace
+
+    trace, _ = open_trace(name)
+    model = ContinuationModel()
+    model.bind(trace)
+    ref = reference_features(trace)
+    n = len(trace)
+    np.testing.assert_array_equal(model.feature_rows(slice(0, n)), ref)
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, n, size=min(n, 3000))  # gathered rows, as a fit asks for them
+    np.testing.assert_array_equal(model.feature_rows(idx), ref[idx])
+    for i in (0, n // 3, n - 5):  # blocks of rows, as p() asks for them
+        np.testing.assert_array_equal(model.feature_rows(slice(i, i + 1024)) @ model.beta, ref[i:i + 1024] @ model.beta)

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from sae_env.policies.base import request_array
 from sae_env.policies.continuation import ContinuationModel
 from sae_env.policies.survival import LognormalGaps
 from sae_env.trace import AppType, TokenType, Trace
@@ -79,30 +80,40 @@ class Arrivals:
         self._sessions: dict[int, tuple[float, int]] = {}  # session -> (last arrival, queue of its blocks)
         # Shared prefixes (the structural queue under ``density``): when each was last used, how often a use was
         # followed by another one (its continuation rate, counted as LPC counts turns).
-        self._prefix_last: dict[int, float] = {}
+        self._prefix_keys = np.zeros(0, dtype=np.int64)  # the bound trace's shared prefixes (their last keys), sorted
+        self._prefix_last = np.zeros(0)  # per shared prefix: when it was last used (NaN: not yet)
         self._prefix_uses = 0
         self._prefix_reused = 0
         self.p_structural = 0.5
         self.reset_window()
 
     def bind(self, trace: Trace) -> None:
-        """Per-request facts, as Python lists: reading them from numpy per request costs more."""
+        """Per-request facts, as compact arrays (``array.array``: a byte or a few per request, and read one at a time
+        as fast as a list; numpy scalar reads cost more)."""
         self.trace = trace
-        self._session_of = trace.session.tolist()
-        self.n_prompt_of = np.maximum(np.diff(trace.prompt_offsets), 1).tolist()  # (at least 1) per request
-        self._templated_of = _any_per_request(trace.prompt_types == TokenType.TEMPLATE, trace.prompt_offsets)
-        self.reasoning_of = _any_per_request(trace.output_types == TokenType.REASONING, trace.output_offsets)
-        self._prefix_of = _structural_prefix_end(trace)
-        self._queue_of = self._queues(trace)
+        self._session_of = request_array(trace.session, "q")
+        self.n_prompt_of = request_array(np.maximum(np.diff(trace.prompt_offsets), 1), "i")  # (at least 1) per request
+        self.reasoning_of = request_array(_any_per_request(trace.output_types == TokenType.REASONING,
+                                                     trace.output_offsets), "b")
+        templated = _any_per_request(trace.prompt_types == TokenType.TEMPLATE, trace.prompt_offsets)
+        keys, prefix_of = _structural_prefix(trace)
+        last = np.full(keys.size, np.nan)
+        if self._prefix_keys.size:  # a new trace: the prefixes it shares with the last one keep their last use
+            at = np.minimum(np.searchsorted(self._prefix_keys, keys), self._prefix_keys.size - 1)
+            known = self._prefix_keys[at] == keys
+            last[known] = self._prefix_last[at[known]]
+        self._prefix_keys, self._prefix_last = keys, last
+        self._prefix_of = request_array(prefix_of, "i")
+        self._queue_of = request_array(self._queues(trace, templated), "b")
         if self.model is not None:
-            self.model.bind(trace)
+            self.model.bind(trace, self._session_of)
 
     def fresh(self) -> Arrivals:
         """The same switches and bound trace (its per-request facts shared, read-only), nothing seen yet: a copy to
         :meth:`import_state` into without computing the facts again (the compiled twin's)."""
         a = copy.copy(self)
         a.model = None if self.model is None else self.model.fresh()
-        a.arrivals, a._sessions, a._prefix_last = 0, {}, {}
+        a.arrivals, a._sessions, a._prefix_last = 0, {}, np.full(self._prefix_keys.size, np.nan)
         a._prefix_uses = a._prefix_reused = 0
         a.p_structural = 0.5
         a.reset_window()
@@ -119,23 +130,21 @@ class Arrivals:
             self.bind(trace)
         return self._queue_of[i]
 
-    def _queues(self, trace: Trace) -> list[int]:
+    def _queues(self, trace: Trace, templated: np.ndarray) -> np.ndarray:
         """:meth:`session_queue` of every request (it depends on the request alone: the predictor, where it routes,
         reads request ``i`` only)."""
-        n = len(trace)
         if not self.multi_queue:
-            return [CH] * n
+            return np.full(len(trace), CH)
         agent = trace.app == AppType.AGENT
         by_app = np.where(agent, AG, CH)
         if self.continuation:
-            return by_app.tolist()
+            return by_app
         first = trace.turn <= 1
         if self.predictor is None:
             # By rule, from what the request shows: tool schemas mark an agent call; a templated prompt (TEMPLATE
             # blocks) an API-style single-turn request; anything else may be the start of a conversation.
-            templated = np.asarray(self._templated_of, dtype=bool)
-            return np.where(first & ~agent & templated, PE, by_app).tolist()
-        out = by_app.tolist()
+            return np.where(first & ~agent & templated, PE, by_app)
+        out = by_app.copy()
         for i in np.flatnonzero(first).tolist():
             p_chat, p_agent = self.predictor(trace, i)
             out[i] = (AG if p_agent > p_chat else CH) if max(p_chat, p_agent) >= self.continue_threshold else PE
@@ -161,7 +170,7 @@ class Arrivals:
             if self.density:
                 slot = slot_of(p)
         s = self._session_of[i]
-        if s >= 0:
+        if s >= 0:  # a known session
             last = self._sessions.get(s)
             if last is not None and (q == CH or q == AG):
                 gap = now - last[0]
@@ -171,11 +180,11 @@ class Arrivals:
         structural = False
         if self.density:
             key = self._prefix_of[i]
-            if key is not None:
+            if key >= 0:
                 structural = True
                 self._prefix_uses += 1
-                last_use = self._prefix_last.get(key)
-                if last_use is not None:
+                last_use = self._prefix_last[key]
+                if last_use == last_use:  # not NaN: used before
                     self._prefix_reused += 1
                     if now > last_use:
                         self._add_gap(ST, now - last_use)
@@ -203,14 +212,14 @@ class Arrivals:
     def export_state(self) -> dict[str, Any]:
         sessions = self._sessions
         prefixes = self._prefix_last
+        used = ~np.isnan(prefixes)
         out = {"arrivals": self.arrivals, "prefix_uses": self._prefix_uses, "prefix_reused": self._prefix_reused,
                "p_structural": self.p_structural,
                "gap_stats": np.array([self.gap_stats[q] for q in (CH, AG, ST)], dtype=np.float64),
                "session_ids": np.fromiter(sessions.keys(), dtype=np.int64, count=len(sessions)),
                "session_last": np.array([t for t, _ in sessions.values()], dtype=np.float64),
                "session_queue": np.array([q for _, q in sessions.values()], dtype=np.int64),
-               "prefix_keys": np.fromiter(prefixes.keys(), dtype=np.int64, count=len(prefixes)),
-               "prefix_last": np.fromiter(prefixes.values(), dtype=np.float64, count=len(prefixes))}
+               "prefix_keys": self._prefix_keys[used], "prefix_last": prefixes[used]}
         if self.model is not None:
             out.update({f"model_{k}": v for k, v in self.model.export_state().items()})
         return out
@@ -223,14 +232,24 @@ class Arrivals:
         self.gap_stats = {q: [int(v[0]), v[1], v[2]] for q, v in zip((CH, AG, ST), g, strict=True)}
         self._sessions = {s: (t, q) for s, t, q in zip(state["session_ids"].tolist(), state["session_last"].tolist(),
                                                         state["session_queue"].tolist(), strict=True)}
-        self._prefix_last = dict(zip(state["prefix_keys"].tolist(), state["prefix_last"].tolist(), strict=True))
+        keys, last = np.asarray(state["prefix_keys"], dtype=np.int64), np.asarray(state["prefix_last"], dtype=float)
+        order = np.argsort(keys, kind="stable")
+        keys, last = keys[order], last[order]
+        if self.trace is None:  # bind() maps them onto the trace's prefixes
+            self._prefix_keys, self._prefix_last = keys, last
+        else:
+            self._prefix_last = np.full(self._prefix_keys.size, np.nan)
+            at = np.minimum(np.searchsorted(self._prefix_keys, keys), max(self._prefix_keys.size - 1, 0))
+            known = self._prefix_keys[at] == keys if self._prefix_keys.size else np.zeros(keys.size, dtype=bool)
+            self._prefix_last[at[known]] = last[known]
         if self.model is not None:
             self.model.import_state({k[6:]: v for k, v in state.items() if k.startswith("model_")})
 
 
-def _structural_prefix_end(trace: Trace) -> list[int | None]:
-    """Per request, the key of the last block of its leading run of SYSTEM / TEMPLATE blocks (its shared prefix),
-    or None: uses of one shared prefix are the re-accesses the structural queue's gap distribution describes."""
+def _structural_prefix(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """The trace's shared prefixes (sorted keys) and, per request, which one it used (an index into them, -1:
+    none). A request's shared prefix is the key of the last block of its leading run of SYSTEM / TEMPLATE blocks;
+    uses of one shared prefix are the re-accesses the structural queue's gap distribution describes."""
     offsets = trace.prompt_offsets
     starts, lengths = offsets[:-1], np.diff(offsets)
     # the leading run ends at the request's first non-structural block (or at its end)
@@ -238,11 +257,13 @@ def _structural_prefix_end(trace: Trace) -> list[int | None]:
     first = np.searchsorted(other, starts)
     first_other = np.append(other, trace.n_blocks)[first]
     run = np.minimum(first_other - starts, lengths)
-    keys = trace.prompt_keys
-    return [int(keys[offsets[i] + r - 1]) if r > 0 else None for i, r in enumerate(run.tolist())]
+    has = run > 0
+    out = np.full(len(trace), -1, dtype=np.int64)
+    keys, out[has] = np.unique(trace.prompt_keys[(starts + run - 1)[has]], return_inverse=True)
+    return keys.astype(np.int64), out
 
 
-def _any_per_request(flags: np.ndarray, offsets: np.ndarray) -> list[bool]:
+def _any_per_request(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Whether any of each request's blocks (CSR ``offsets``) has its flag set."""
     counts = np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])
-    return (counts[offsets[1:]] > counts[offsets[:-1]]).tolist()
+    return counts[offsets[1:]] > counts[offsets[:-1]]

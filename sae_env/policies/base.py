@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -189,6 +190,17 @@ def block_array(blocks: Any, index: dict[int, int], value: Any, dtype: Any = np.
         v = value(b)
         if v is not None:
             out[index[b.key]] = v
+    return out
+
+
+def request_array(values: Any, code: str) -> array:
+    """One number per request as an ``array.array`` of type ``code`` (checked to fit): what a policy reads one
+    request at a time, as fast as from a list and in a few bytes per request (numpy scalar reads cost more;
+    ``np.frombuffer`` views it without a copy)."""
+    values = np.asarray(values)
+    out = array(code, values.astype(np.dtype(code)).tobytes())
+    if not np.array_equal(np.frombuffer(out, dtype=np.dtype(code)), values):
+        raise RuntimeError(f"per-request values do not fit array type {code!r}")
     return out
 
 
