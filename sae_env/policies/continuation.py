@@ -212,44 +212,23 @@ class ContinuationModel:
 
     # -- online use ------------------------------------------------------------------------------------------
     def arrive(self, i: int, now: float) -> float:
-        """Request ``i`` arrived: its session's previous request is labelled continued; returns ``p_i``.
-
-        The hottest path of the model (every request): _unpend, _label, _refresh_rate and p written out, the
-        same arithmetic in the same order."""
+        """Request ``i`` arrived: its session's previous request is labelled continued; returns ``p_i``."""
         s = self._session[i]
-        a, b = self.prior
         j = self._last_of.get(s)
         if j is not None:
             pend = self._pending.pop(j, None)
-            if pend is not None:  # j continued: pending -> labelled
-                k = self._bucket[j]
-                self._n_pending[k] -= 1
-                self._alive[k] -= pend[1]
-                self._continued[k] += 1
-                self._refresh_rate(k)
-                labelled = self._labelled
-                labelled.append((j, 1.0))
-                if len(labelled) > 2 * self.buffer:
-                    del labelled[:-self.buffer]
+            if pend is not None:
+                self._unpend(j, pend[1])
+                self._label(j, 1.0)
         if s >= 0:  # a request of unknown session (-1) has no next request to wait for
             self._last_of[s] = i
         k = self._bucket[i]
-        rates = self._rates
-        w = rates[k] if self.censoring else 0.0  # a fresh request is alive with the prior probability
+        w = self._rates[k] if self.censoring else 0.0  # a fresh request is alive with the prior probability
         self._pending[i] = (now, w)
         self._n_pending[k] += 1
         self._alive[k] += w
-        c = self._continued[k]
-        r = (c + self._alive[k] + a) / (c + self._ended[k] + self._n_pending[k] + a + b)
-        rates[k] = r
-        self.rates[k] = r
-        if not self.features:
-            return float(r)
-        zb = self._zb
-        if zb is None or not (self._zb_from <= i < self._zb_from + zb.size):
-            return self.p(i)
-        x = _logit(min(max(r, _P_CLIP), 1.0 - _P_CLIP)) + float(zb[i - self._zb_from])
-        return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
+        self._refresh_rate(k)
+        return self.p(i)
 
     def _unpend(self, i: int, w: float) -> None:
         k = self._bucket[i]
