@@ -815,3 +815,39 @@ def test_decisions_never_read_the_future(timed):
         assert hits_cut == hits_full[:k], k
         if not timed:
             assert victims_cut == victims_full[:len(victims_cut)], k
+
+
+def test_a_shared_prefix_keeps_its_last_use_across_traces_and_state_round_trips():
+    """The structural reuse rate counts a use of a shared prefix by its key: a prefix last used on one trace is
+    reused when a later trace (bound to the same arrivals) uses it, and an exported state carries it into arrivals
+    bound to either trace, or to none yet."""
+    from sae_env.policies.arrivals import Arrivals
+
+    def trace(prefix_keys: list[int], t0: float) -> Trace:
+        b = TraceBuilder(block_size=BS)
+        for j, key in enumerate(prefix_keys):
+            b.add(t=t0 + j, session=-1, turn=1, app=AppType.CHAT, prompt_tokens=2 * BS, output_tokens=0,
+                  prompt_keys=[key, 1000 + j], prompt_types=[TokenType.SYSTEM, TokenType.USER])
+        return b.build()
+
+    first, second = trace([7, 8], 0.0), trace([9, 7], 10.0)
+    a = Arrivals(continuation=False)
+    for i in range(len(first)):
+        a.arrive(first, i, float(first.t[i]))
+    state = a.export_state()
+    assert sorted(state["prefix_keys"].tolist()) == [7, 8]
+    for make in (lambda: a, lambda: _imported(Arrivals, state, second), lambda: _imported(Arrivals, state, None)):
+        b = make()
+        b.arrive(second, 0, 10.0)  # prefix 9: new
+        assert (b._prefix_uses, b._prefix_reused) == (3, 0)
+        b.arrive(second, 1, 11.0)  # prefix 7: last used at 0 on the first trace
+        assert (b._prefix_uses, b._prefix_reused) == (4, 1)
+        assert b.gap_stats[ST][0] == 1 and b.gap_stats[ST][1] == pytest.approx(math.log(11.0))
+
+
+def _imported(cls, state, bound):
+    a = cls(continuation=False)
+    if bound is not None:
+        a.bind(bound)
+    a.import_state(state)
+    return a

@@ -97,12 +97,9 @@ class Arrivals:
                                                      trace.output_offsets), "b")
         templated = _any_per_request(trace.prompt_types == TokenType.TEMPLATE, trace.prompt_offsets)
         keys, prefix_of = _structural_prefix(trace)
-        last = np.full(keys.size, np.nan)
-        if self._prefix_keys.size:  # a new trace: the prefixes it shares with the last one keep their last use
-            at = np.minimum(np.searchsorted(self._prefix_keys, keys), self._prefix_keys.size - 1)
-            known = self._prefix_keys[at] == keys
-            last[known] = self._prefix_last[at[known]]
-        self._prefix_keys, self._prefix_last = keys, last
+        # a new trace: the prefixes it shares with the last one keep their last use
+        self._prefix_last = _last_uses(keys, self._prefix_keys, self._prefix_last)
+        self._prefix_keys = keys
         self._prefix_of = request_array(prefix_of, "i")
         self._queue_of = request_array(self._queues(trace, templated), "b")
         if self.model is not None:
@@ -238,10 +235,7 @@ class Arrivals:
         if self.trace is None:  # bind() maps them onto the trace's prefixes
             self._prefix_keys, self._prefix_last = keys, last
         else:
-            self._prefix_last = np.full(self._prefix_keys.size, np.nan)
-            at = np.minimum(np.searchsorted(self._prefix_keys, keys), max(self._prefix_keys.size - 1, 0))
-            known = self._prefix_keys[at] == keys if self._prefix_keys.size else np.zeros(keys.size, dtype=bool)
-            self._prefix_last[at[known]] = last[known]
+            self._prefix_last = _last_uses(self._prefix_keys, keys, last)
         if self.model is not None:
             self.model.import_state({k[6:]: v for k, v in state.items() if k.startswith("model_")})
 
@@ -261,6 +255,17 @@ def _structural_prefix(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     out = np.full(len(trace), -1, dtype=np.int64)
     keys, out[has] = np.unique(trace.prompt_keys[(starts + run - 1)[has]], return_inverse=True)
     return keys.astype(np.int64), out
+
+
+def _last_uses(keys: np.ndarray, known_keys: np.ndarray, known_last: np.ndarray) -> np.ndarray:
+    """The last use of each prefix of ``keys`` according to ``known_keys`` (sorted) / ``known_last``; NaN for a
+    prefix not among them."""
+    last = np.full(keys.size, np.nan)
+    if known_keys.size:
+        at = np.minimum(np.searchsorted(known_keys, keys), known_keys.size - 1)
+        found = known_keys[at] == keys
+        last[found] = known_last[at[found]]
+    return last
 
 
 def _any_per_request(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
