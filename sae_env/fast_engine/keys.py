@@ -17,7 +17,7 @@ import numpy as np
 from sae_env.fast_engine.jit import inline, jit
 from sae_env.trace import Trace
 
-__all__ = ["KeyTable", "next_prompt_uses", "occurrence_dtype"]
+__all__ = ["KeyTable", "dense_ids", "next_prompt_uses", "occurrence_dtype"]
 
 
 @inline
@@ -144,6 +144,14 @@ def _more_ids(keys, table, uniq, d, out):
         t, d = _lookup(table, keys[x], uniq, d)
         out[x] = t
     return d
+
+
+def dense_ids(keys: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each of ``keys`` (int64) as a dense id, in first-seen order, and how many distinct keys there are."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    ids = np.empty(keys.size, dtype=np.int32 if keys.size < 2**31 else np.int64)
+    distinct = _more_ids(keys, _empty_table(keys.size), np.empty(keys.size, dtype=np.int64), 0, ids)
+    return ids, int(distinct)
 
 
 class KeyTable:
