@@ -28,6 +28,7 @@ from scipy.stats import lognorm
 
 from sae_env.cache import Block, PrefixCache
 from sae_env.policies import make_policy, saecache
+from sae_env.policies.arrivals import slot_p
 from sae_env.policies.saecache import AG, CH, PAPER, PARAM_SPECS, PE, ST, SAECachePolicy
 from sae_env.replay import Replay
 from sae_env.serving import make_server
@@ -735,7 +736,7 @@ def test_density_priority_matches_a_direct_computation():
             b.pdata = q * 8 + t + saecache._SLOT * slot
         mu, sigma = {CH: (PARAMS["mu_chat"], PARAMS["sigma_chat"]), AG: (PARAMS["mu_agent"], PARAMS["sigma_agent"]),
                      ST: (3.4, 2.0)}[q]
-        p = saecache._slot_p(slot) if q != ST else policy.arrivals.p_structural
+        p = slot_p(slot) if q != ST else policy.arrivals.p_structural
 
         def sf(y, mu=mu, sigma=sigma):
             return lognorm.sf(y, s=sigma, scale=math.exp(mu))

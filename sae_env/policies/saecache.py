@@ -94,7 +94,6 @@ _COMPACT_MIN = 1 << 18  # released blocks before the first compaction of the rec
 _CONSTANT, _LOGNORMAL, _EXPONENTIAL, _POSITION, _DENSITY = range(5)  # kinds of ranking term (see _constants)
 GROUP_SLOT = _SLOT = 64  # group id = queue_type_code(queue, type) + _SLOT * slot: the code fits below _SLOT
 _REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)  # plain ints: enum lookups cost more
-_slot_p = slot_p
 
 PARAM_SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("alpha_st", 0.05, 20.0, 1.0, log=True, doc="queue weight, structural"),
