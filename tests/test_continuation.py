@@ -118,14 +118,15 @@ def test_invariants(seed, n, window, features):
     assert np.all((model.rates > 0) & (model.rates < 1))
     buckets = [0] * (model.max_turn + 1)
     alive = [0.0] * (model.max_turn + 1)
-    for i, (_, w) in model._pending.items():
+    assert list(model._pend_t) == list(model._pend_w)
+    for i, w in model._pend_w.items():
         k = model._bucket[i]
         buckets[k] += 1
         alive[k] += w
         assert 0.0 <= w <= 1.0
     assert buckets == model._n_pending
     np.testing.assert_allclose(alive, model._alive, atol=1e-9)
-    assert sum(model._continued) + sum(model._ended) + len(model._pending) == len(trace)
+    assert sum(model._continued) + sum(model._ended) + len(model._pend_t) == len(trace)
 
 
 def test_predictor_is_a_feature_of_first_requests():

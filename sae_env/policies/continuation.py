@@ -30,7 +30,6 @@ taken as ended (with ``horizon_sigmas = 3``, 0.13 % of log-normal gaps are longe
 
 from __future__ import annotations
 
-import itertools
 import math
 from array import array
 from collections.abc import Callable, Sequence
@@ -91,15 +90,22 @@ class ContinuationModel:
         self.predictor = predictor
         self.beta = np.zeros(_N_FEATURES)
         k = max_turn + 1
-        self.rates = np.full(k, self.prior[0] / sum(self.prior))  # r_k by turn bucket (index 0 unused)
         self._continued = [0.0] * k  # labelled requests by turn bucket: continued ...
         self._ended = [0.0] * k  # ... and ended (idle past the horizon)
         self._n_pending = [0] * k  # pending requests by turn bucket ...
         self._alive = [0.0] * k  # ... and the sum of their soft weights (posterior alive)
-        self._rates = [float(r) for r in self.rates]  # list copy of ``rates`` for the per-request path
-        self._pending: dict[int, tuple[float, float]] = {}  # request -> (arrival, soft weight), until labelled
+        self._rates = [self.prior[0] / sum(self.prior)] * k  # r_k by turn bucket (index 0 unused); see ``rates``
+        # Pending requests (until labelled), in arrival order: request -> its arrival, and request -> its soft
+        # weight (two dicts with the same keys: a refit replaces every weight in place, the arrivals stay).
+        self._pend_t: dict[int, float] = {}
+        self._pend_w: dict[int, float] = {}
         self._last_of: dict[int, int] = {}  # session (of known id) -> its latest request
-        self._labelled: list[tuple[int, float]] = []  # (request, label), the latest ``buffer``
+        # The latest ``buffer`` labelled requests and their labels, oldest first, in the first ``_lab_n`` entries
+        # (between ``buffer`` and twice as many are kept: trimmed in bulk). Arrays, which a refit reads without a
+        # copy and the compiled arrivals (sae_env.fast_engine.arrivals) append to.
+        self._lab_i = np.zeros(2 * self.buffer + 1, dtype=np.int64)
+        self._lab_y = np.zeros(2 * self.buffer + 1)
+        self._lab_n = 0
         self._trace: Trace | None = None
 
     # -- features ----------------------------------------------------------------------------------------------
@@ -210,25 +216,49 @@ class ContinuationModel:
             raise ValueError(f"continuation: the predictor gave {p!r} for request {i} (need a probability)")
         return _logit(min(max(p, _P_CLIP), 1.0 - _P_CLIP))
 
+    @property
+    def rates(self) -> np.ndarray:
+        """The continuation rate ``r_k`` of each turn bucket (index 0 unused), as an array (a copy)."""
+        return np.array(self._rates)
+
     # -- online use ------------------------------------------------------------------------------------------
     def arrive(self, i: int, now: float) -> float:
-        """Request ``i`` arrived: its session's previous request is labelled continued; returns ``p_i``."""
+        """Request ``i`` arrived: its session's previous request is labelled continued; returns ``p_i``.
+
+        The hottest path of SAECache's arrivals: _unpend, _label and _refresh_rate written out (the same
+        operations), as their calls cost more than their work."""
+        rates, alive, n_pending = self._rates, self._alive, self._n_pending
+        a, b = self.prior
         s = self._session[i]
         j = self._last_of.get(s)
         if j is not None:
-            pend = self._pending.pop(j, None)
-            if pend is not None:
-                self._unpend(j, pend[1])
-                self._label(j, 1.0)
+            w = self._pend_w.pop(j, None)
+            if w is not None:  # j is labelled continued
+                del self._pend_t[j]
+                k = self._bucket[j]
+                n_pending[k] -= 1
+                alive[k] -= w
+                c = self._continued[k] = self._continued[k] + 1
+                rates[k] = (c + alive[k] + a) / (c + self._ended[k] + n_pending[k] + a + b)
+                self._record(j, 1.0)
         if s >= 0:  # a request of unknown session (-1) has no next request to wait for
             self._last_of[s] = i
         k = self._bucket[i]
-        w = self._rates[k] if self.censoring else 0.0  # a fresh request is alive with the prior probability
-        self._pending[i] = (now, w)
-        self._n_pending[k] += 1
-        self._alive[k] += w
-        self._refresh_rate(k)
-        return self.p(i)
+        w = rates[k] if self.censoring else 0.0  # a fresh request is alive with the prior probability
+        self._pend_t[i] = now
+        self._pend_w[i] = w
+        n_pending[k] += 1
+        alive[k] += w
+        c = self._continued[k]
+        r = rates[k] = (c + alive[k] + a) / (c + self._ended[k] + n_pending[k] + a + b)
+        if not self.features:
+            return float(r)
+        zb = self._zb
+        if zb is None or not (self._zb_from <= i < self._zb_from + zb.size):
+            zb = self.zb_at(i)
+        x = math.log(r / (1.0 - r)) if _P_CLIP <= r <= 1.0 - _P_CLIP else _logit(min(max(r, _P_CLIP), 1.0 - _P_CLIP))
+        x += float(zb[i - self._zb_from])
+        return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
 
     def _unpend(self, i: int, w: float) -> None:
         k = self._bucket[i]
@@ -238,9 +268,7 @@ class ContinuationModel:
     def _refresh_rate(self, k: int) -> None:
         a, b = self.prior
         c, e = self._continued[k], self._ended[k]
-        r = (c + self._alive[k] + a) / (c + e + self._n_pending[k] + a + b)
-        self._rates[k] = r
-        self.rates[k] = r
+        self._rates[k] = (c + self._alive[k] + a) / (c + e + self._n_pending[k] + a + b)
 
     def p(self, i: int) -> float:
         """The current model's continuation probability of request ``i``."""
@@ -249,10 +277,17 @@ class ContinuationModel:
             return float(r)
         zb = self._zb
         if zb is None or not (self._zb_from <= i < self._zb_from + zb.size):
-            self._zb_from = i
-            zb = self._zb = self.feature_rows(slice(i, i + 1024)) @ self.beta
+            zb = self.zb_at(i)
         x = _logit(min(max(r, _P_CLIP), 1.0 - _P_CLIP)) + float(zb[i - self._zb_from])
         return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
+
+    def zb_at(self, i: int) -> np.ndarray:
+        """``z @ beta`` of the block of requests from ``i`` (1024 of them, fewer at the trace's end), kept for
+        :meth:`p` until a fit or a request outside it: computed a block at a time, as the same floats whatever
+        asks (the compiled arrivals too)."""
+        self._zb_from = i
+        self._zb = self.feature_rows(slice(i, i + 1024)) @ self.beta
+        return self._zb
 
     def _label(self, i: int, y: float) -> None:
         k = self._bucket[i]
@@ -261,28 +296,42 @@ class ContinuationModel:
         else:
             self._ended[k] += 1
         self._refresh_rate(k)
-        self._labelled.append((i, y))
-        if len(self._labelled) > 2 * self.buffer:
-            del self._labelled[:-self.buffer]
+        self._record(i, y)
+
+    def _record(self, i: int, y: float) -> None:
+        """Request ``i`` got label ``y``: the refits' buffer keeps it."""
+        n = self._lab_n
+        self._lab_i[n] = i
+        self._lab_y[n] = y
+        n += 1
+        if n > 2 * self.buffer:  # keep the latest ``buffer``
+            self._lab_i[:self.buffer] = self._lab_i[n - self.buffer:n]
+            self._lab_y[:self.buffer] = self._lab_y[n - self.buffer:n]
+            n = self.buffer
+        self._lab_n = n
 
     def update(self, now: float, gaps: Sequence[LognormalGaps]) -> None:
         """Label sessions idle past the horizon as ended, then refit the rates and the correction.
 
         ``gaps[q]`` is the gap distribution of queue ``q`` (0: chat, 1: agent)."""
         horizon_chat, horizon_agent = (g.upper(self.horizon_sigmas) for g in gaps)
-        pending = self._pending
-        n = len(pending)
-        pend = np.fromiter(pending.keys(), dtype=np.int64, count=n)
-        tw = np.fromiter(itertools.chain.from_iterable(pending.values()), dtype=np.float64, count=2 * n)
-        t_pend, w_pend = tw[0::2], tw[1::2]
-        agent = self._agent_a[pend]
-        over = now - t_pend > np.where(agent, horizon_agent, horizon_chat)  # idle past the horizon: ended
-        for i, w in zip(pend[over].tolist(), w_pend[over].tolist(), strict=True):  # in arrival order
-            del pending[i]
-            self._unpend(i, w)
+        pend_t, pend_w = self._pend_t, self._pend_w
+        n = len(pend_t)
+        pend = np.fromiter(pend_t.keys(), dtype=np.int64, count=n)
+        t_pend = np.fromiter(pend_t.values(), dtype=np.float64, count=n)
+        over = now - t_pend > np.where(self._agent_a[pend], horizon_agent, horizon_chat)  # idle past the horizon
+        for i in pend[over].tolist():  # ended, in arrival order
+            del pend_t[i]
+            self._unpend(i, pend_w.pop(i))
             self._label(i, 0.0)
-        kept = ~over
-        pend, t_pend, agent = pend[kept], t_pend[kept], agent[kept]
+        soft = self.refit(now, gaps, pend[~over], t_pend[~over])
+        pend_w.update(zip(pend[~over].tolist(), soft.tolist(), strict=True))  # the same keys: only the weights change
+
+    def refit(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray) -> np.ndarray:
+        """:meth:`update` once the requests idle past the horizon are labelled: the rates and the correction refitted
+        on the pending requests ``pend`` (arrived at ``t_pend``, in arrival order); returns their new soft weights.
+        """
+        agent = self._agent_a[pend]
         idle = now - t_pend
         surv = np.where(agent, gaps[1].sf_array(idle), gaps[0].sf_array(idle)) if pend.size else np.zeros(0)
         bucket = self._bucket_a[pend]
@@ -291,28 +340,28 @@ class ContinuationModel:
         n_pend = np.bincount(bucket, minlength=k)
         cont, ended = np.asarray(self._continued), np.asarray(self._ended)
         soft = np.zeros(pend.size)
+        rates = np.array(self._rates)
         for _ in range(_EM_STEPS if self.censoring else 0):
-            r = self.rates[bucket]
+            r = rates[bucket]
             soft = r * surv / np.maximum(1.0 - r + r * surv, 1e-300)
             alive = np.bincount(bucket, weights=soft, minlength=k)
-            self.rates = (cont + alive + a) / (cont + ended + n_pend + a + b)
+            rates = (cont + alive + a) / (cont + ended + n_pend + a + b)
         self._alive = np.bincount(bucket, weights=soft, minlength=k).tolist()
         self._n_pending = n_pend.tolist()
-        self._rates = self.rates.tolist()
-        self._pending = dict(zip(pend.tolist(), zip(t_pend.tolist(), soft.tolist(), strict=True), strict=True))
-        if self.features and (self._labelled or pend.size):
+        self._rates = rates.tolist()
+        if self.features and (self._lab_n or pend.size):
             self._fit(pend, surv)
+        return soft
 
     def _fit(self, pend: np.ndarray, surv: np.ndarray) -> None:
-        lab = self._labelled[-self.buffer:]
-        n_lab = len(lab)
+        n_lab = min(self._lab_n, self.buffer)
         idx = np.empty(n_lab + pend.size, dtype=np.int64)
         y = np.zeros(idx.size)
-        if n_lab:
-            idx[:n_lab], y[:n_lab] = zip(*lab, strict=True)
+        idx[:n_lab] = self._lab_i[self._lab_n - n_lab:self._lab_n]
+        y[:n_lab] = self._lab_y[self._lab_n - n_lab:self._lab_n]
         idx[n_lab:] = pend
         z = self.feature_rows(idx)
-        r = np.clip(self.rates[self._bucket_a[idx]], _P_CLIP, 1.0 - _P_CLIP)
+        r = np.clip(np.array(self._rates)[self._bucket_a[idx]], _P_CLIP, 1.0 - _P_CLIP)
         offset = np.log(r / (1.0 - r))
         beta = self.beta
         for _ in range(_NEWTON_STEPS):
@@ -328,35 +377,39 @@ class ContinuationModel:
 
     # -- the state contract (sae_env.state): everything but what bind() derives from the trace ---------------
     def export_state(self) -> dict[str, object]:
-        pending = self._pending
+        pend_t, pend_w = self._pend_t, self._pend_w
         return {"beta": self.beta.copy(), "rates": self.rates.copy(), "continued": np.array(self._continued),
                 "ended": np.array(self._ended), "n_pending": np.array(self._n_pending, dtype=np.int64),
                 "alive": np.array(self._alive, dtype=np.float64),
-                "pending": np.fromiter(pending.keys(), dtype=np.int64, count=len(pending)),
-                "pending_t": np.array([t for t, _ in pending.values()], dtype=np.float64),
-                "pending_w": np.array([w for _, w in pending.values()], dtype=np.float64),
+                "pending": np.fromiter(pend_t.keys(), dtype=np.int64, count=len(pend_t)),
+                "pending_t": np.fromiter(pend_t.values(), dtype=np.float64, count=len(pend_t)),
+                "pending_w": np.fromiter(pend_w.values(), dtype=np.float64, count=len(pend_w)),
                 "last_sessions": np.fromiter(self._last_of.keys(), dtype=np.int64, count=len(self._last_of)),
                 "last_requests": np.fromiter(self._last_of.values(), dtype=np.int64, count=len(self._last_of)),
-                "labelled": np.array([i for i, _ in self._labelled], dtype=np.int64),
-                "labels": np.array([y for _, y in self._labelled], dtype=np.float64),
+                "labelled": self._lab_i[:self._lab_n].copy(), "labels": self._lab_y[:self._lab_n].copy(),
                 # p() reads z @ beta computed over a block of rows from here: the same block, the same floats
                 "zb_from": -1 if self._zb is None else self._zb_from}
 
     def import_state(self, state: dict[str, object]) -> None:
         """Take back an exported state; :meth:`bind` must have been called with the same trace."""
         self.beta = np.array(state["beta"], dtype=np.float64)
-        self.rates = np.array(state["rates"], dtype=np.float64)
-        self._rates = [float(r) for r in self.rates]
+        self._rates = np.asarray(state["rates"], dtype=np.float64).tolist()
         self._continued, self._ended = state["continued"].tolist(), state["ended"].tolist()
         self._n_pending, self._alive = state["n_pending"].tolist(), state["alive"].tolist()
-        self._pending = {i: (t, w) for i, t, w in zip(state["pending"].tolist(), state["pending_t"].tolist(),
-                                                      state["pending_w"].tolist(), strict=True)}
+        pending = state["pending"].tolist()
+        self._pend_t = dict(zip(pending, state["pending_t"].tolist(), strict=True))
+        self._pend_w = dict(zip(pending, state["pending_w"].tolist(), strict=True))
         self._last_of = dict(zip(state["last_sessions"].tolist(), state["last_requests"].tolist(), strict=True))
-        self._labelled = list(zip(state["labelled"].tolist(), state["labels"].tolist(), strict=True))
+        lab_i, lab_y = np.asarray(state["labelled"], dtype=np.int64), np.asarray(state["labels"], dtype=np.float64)
+        self._lab_n = lab_i.size
+        self._lab_i = np.zeros(max(2 * self.buffer, lab_i.size) + 1, dtype=np.int64)
+        self._lab_y = np.zeros(self._lab_i.size)
+        self._lab_i[:lab_i.size], self._lab_y[:lab_y.size] = lab_i, lab_y
         zb_from = int(state["zb_from"])
-        self._zb = None if zb_from < 0 else self.feature_rows(slice(zb_from, zb_from + 1024)) @ self.beta
-        self._zb_from = max(zb_from, 0)
+        self._zb, self._zb_from = None, 0
+        if zb_from >= 0:
+            self.zb_at(zb_from)
 
     def stats(self) -> dict[str, object]:
-        return {"rates": self.rates[1:].tolist(), "beta": self.beta.tolist(), "pending": len(self._pending),
+        return {"rates": self.rates[1:].tolist(), "beta": self.beta.tolist(), "pending": len(self._pend_t),
                 "labelled": int(sum(self._continued) + sum(self._ended))}
