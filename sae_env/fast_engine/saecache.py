@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sae_env.fast_engine import treap as tp
+from sae_env.fast_engine.arrivals import compiled
 from sae_env.fast_engine.jit import implements, inline, jit
 from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QUEUE
 from sae_env.fast_engine.treap import GROUP, STAMP, WHERE
@@ -484,6 +485,7 @@ class SAECacheTwin(Twin):
             gfresh=np.zeros(N_GROUPS, dtype=np.int8), slotp=np.array([slot_p(k) for k in range(N_SLOTS + 1)]),
             gaps=np.zeros((N_QUEUES, 4)), coef=np.zeros(GROUP_SLOT), root=np.full(1, -1, dtype=np.int64),
             qhits=np.zeros(N_QUEUES, dtype=np.int64), occ=np.zeros(N_QUEUES, dtype=np.int64), si=si, sf=sf)
+        self.compiled = compiled(arrivals)  # the per-arrival state, as arrays (None: Python arrivals)
         self.state.occ[:] = state["occupancy"]
         self.state.qhits[:] = state["queue_hits"]
         self._constants()
@@ -517,6 +519,10 @@ class SAECacheTwin(Twin):
 
     def prepare(self, a: int, b: int) -> None:
         """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring)."""
+        ps = self.state
+        if self.compiled is not None:
+            self.compiled.run(a, b, ps.req_q, ps.req_slot, ps.req_flags, ps.req_pst)
+            return
         arrivals, trace = self.arrivals, self.trace
         t = trace.t[a:b].tolist()
         q, slot, flags, pst = [], [], [], []
@@ -528,6 +534,12 @@ class SAECacheTwin(Twin):
             pst.append(arrivals.p_structural)
         ps = self.state
         ps.req_q[a:b], ps.req_slot[a:b], ps.req_flags[a:b], ps.req_pst[a:b] = q, slot, flags, pst
+
+    def _python_arrivals(self):
+        """The arrivals object, with the compiled arrivals' state written back into it."""
+        if self.compiled is not None:
+            self.compiled.save()
+        return self.arrivals
 
     def export(self, n: int, core: Any) -> dict[str, Any]:
         ps = self.state
@@ -549,11 +561,14 @@ class SAECacheTwin(Twin):
                 "ins_rate": float(sf[INS_RATE]) if si[HAS_RATE] else nan, "window_inserted": int(si[WIN_INS]),
                 "window_t0": float(sf[WIN_T0]) if si[HAS_T0] else nan, "inflight": inflight.astype(np.int64),
                 "inflight_queue": ps.req_q[inflight].astype(np.int64),
-                "inflight_slot": ps.req_slot[inflight].astype(np.int64), **self.arrivals.export_state()}
+                "inflight_slot": ps.req_slot[inflight].astype(np.int64), **self._python_arrivals().export_state()}
 
     def begin_window(self) -> None:  # SAECachePolicy.reset_window
         self.state.qhits[:] = 0
-        self.arrivals.reset_window()
+        if self.compiled is not None:
+            self.compiled.reset_window()
+        else:
+            self.arrivals.reset_window()
 
     def params_changed(self) -> None:
         self._constants()
@@ -562,6 +577,8 @@ class SAECacheTwin(Twin):
     def window_stats(self) -> dict[str, Any]:
         ps = self.state
         horizon = float(ps.sf[HORIZON]) if ps.si[HAS_HOR] else float(ps.sf[EXP_MEAN_CH])
+        if self.compiled is not None:
+            self.compiled.stats_to_python()
         return window_stats(self.arrivals, ps.qhits.tolist(), ps.occ.tolist(), self.policy.params, horizon)
 
     def occupancy_by_queue(self, n: int) -> dict[int, int]:

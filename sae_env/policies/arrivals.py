@@ -27,7 +27,8 @@ from sae_env.policies.continuation import ContinuationModel
 from sae_env.policies.survival import LognormalGaps
 from sae_env.trace import AppType, TokenType, Trace
 
-__all__ = ["AG", "CH", "N_QUEUES", "N_SLOTS", "PE", "QUEUES", "REFIT_EVERY", "ST", "Arrivals", "slot_of", "slot_p"]
+__all__ = ["AG", "CH", "LOGIT_BIN", "LOGIT_MAX", "N_QUEUES", "N_SLOTS", "PE", "QUEUES", "REFIT_EVERY", "ST", "Arrivals",
+           "slot_of", "slot_p"]
 
 PE, ST, CH, AG = 0, 1, 2, 3
 QUEUES = ("priority_eviction", "structural", "chat", "agent")
@@ -35,9 +36,9 @@ N_QUEUES = len(QUEUES)
 REFIT_EVERY = 64  # arrivals between refits of the turnover time and the continuation model
 # Continuation probabilities are binned on the logit scale: blocks of one bin share their ranking constants, so a
 # group (queue, type, bin) has one score function of the idle time (see SAECachePolicy._best).
-_BIN = 0.5  # bin width in logit units
-_LOGIT_MAX = 7.0  # bins cover p in [sigmoid(-7), sigmoid(7)] = [0.0009, 0.9991]
-N_SLOTS = int(2 * _LOGIT_MAX / _BIN) + 1  # slots 1 .. N_SLOTS; slot 0 = no continuation probability (p = 1)
+LOGIT_BIN = 0.5  # bin width in logit units
+LOGIT_MAX = 7.0  # bins cover p in [sigmoid(-7), sigmoid(7)] = [0.0009, 0.9991]
+N_SLOTS = int(2 * LOGIT_MAX / LOGIT_BIN) + 1  # slots 1 .. N_SLOTS; slot 0 = no continuation probability (p = 1)
 _TEMPLATE = int(TokenType.TEMPLATE)
 
 # A session predictor answers, for a session's first request, (P(continues as chat), P(continues as agent)).
@@ -46,16 +47,16 @@ Predictor = Callable[[Trace, int], tuple[float, float]]
 
 def slot_of(p: float) -> int:
     """The logit bin (1 .. N_SLOTS) of a continuation probability."""
-    x = math.log(p / (1.0 - p)) if 0.0 < p < 1.0 else (_LOGIT_MAX if p >= 1.0 else -_LOGIT_MAX)
-    x = min(max(x, -_LOGIT_MAX), _LOGIT_MAX)
-    return 1 + int(round((x + _LOGIT_MAX) / _BIN))
+    x = math.log(p / (1.0 - p)) if 0.0 < p < 1.0 else (LOGIT_MAX if p >= 1.0 else -LOGIT_MAX)
+    x = min(max(x, -LOGIT_MAX), LOGIT_MAX)
+    return 1 + int(round((x + LOGIT_MAX) / LOGIT_BIN))
 
 
 def slot_p(slot: int) -> float:
     """The continuation probability a bin stands for (its centre); slot 0 = 1."""
     if slot == 0:
         return 1.0
-    return 1.0 / (1.0 + math.exp(-((slot - 1) * _BIN - _LOGIT_MAX)))
+    return 1.0 / (1.0 + math.exp(-((slot - 1) * LOGIT_BIN - LOGIT_MAX)))
 
 
 class Arrivals:

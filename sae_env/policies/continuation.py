@@ -40,12 +40,12 @@ from sae_env.policies.base import request_array
 from sae_env.policies.survival import LognormalGaps
 from sae_env.trace import N_TOKEN_TYPES, AppType, TokenType, Trace
 
-__all__ = ["ContinuationModel"]
+__all__ = ["P_CLIP", "ContinuationModel"]
 
 _N_FEATURES = 9
 _EM_STEPS = 3
 _NEWTON_STEPS = 3
-_P_CLIP = 1e-3
+P_CLIP = 1e-3  # probabilities are clipped to [P_CLIP, 1 - P_CLIP] before a logit
 _ROW_CACHE = 1 << 14  # feature rows kept (1.2 MB): more than the refits' labelled buffer and block of rows ask for
 
 
@@ -214,7 +214,7 @@ class ContinuationModel:
         p = float(r) if isinstance(r, (int, float)) else float(r[0]) + float(r[1])
         if not 0.0 <= p <= 1.0 + 1e-6:
             raise ValueError(f"continuation: the predictor gave {p!r} for request {i} (need a probability)")
-        return _logit(min(max(p, _P_CLIP), 1.0 - _P_CLIP))
+        return _logit(min(max(p, P_CLIP), 1.0 - P_CLIP))
 
     @property
     def rates(self) -> np.ndarray:
@@ -256,7 +256,7 @@ class ContinuationModel:
         zb = self._zb
         if zb is None or not (self._zb_from <= i < self._zb_from + zb.size):
             zb = self.zb_at(i)
-        x = math.log(r / (1.0 - r)) if _P_CLIP <= r <= 1.0 - _P_CLIP else _logit(min(max(r, _P_CLIP), 1.0 - _P_CLIP))
+        x = math.log(r / (1.0 - r)) if P_CLIP <= r <= 1.0 - P_CLIP else _logit(min(max(r, P_CLIP), 1.0 - P_CLIP))
         x += float(zb[i - self._zb_from])
         return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
 
@@ -278,7 +278,7 @@ class ContinuationModel:
         zb = self._zb
         if zb is None or not (self._zb_from <= i < self._zb_from + zb.size):
             zb = self.zb_at(i)
-        x = _logit(min(max(r, _P_CLIP), 1.0 - _P_CLIP)) + float(zb[i - self._zb_from])
+        x = _logit(min(max(r, P_CLIP), 1.0 - P_CLIP)) + float(zb[i - self._zb_from])
         return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
 
     def zb_at(self, i: int) -> np.ndarray:
@@ -314,18 +314,23 @@ class ContinuationModel:
         """Label sessions idle past the horizon as ended, then refit the rates and the correction.
 
         ``gaps[q]`` is the gap distribution of queue ``q`` (0: chat, 1: agent)."""
-        horizon_chat, horizon_agent = (g.upper(self.horizon_sigmas) for g in gaps)
         pend_t, pend_w = self._pend_t, self._pend_w
         n = len(pend_t)
         pend = np.fromiter(pend_t.keys(), dtype=np.int64, count=n)
         t_pend = np.fromiter(pend_t.values(), dtype=np.float64, count=n)
-        over = now - t_pend > np.where(self._agent_a[pend], horizon_agent, horizon_chat)  # idle past the horizon
+        over = self.expired(now, gaps, pend, t_pend)
         for i in pend[over].tolist():  # ended, in arrival order
             del pend_t[i]
             self._unpend(i, pend_w.pop(i))
             self._label(i, 0.0)
         soft = self.refit(now, gaps, pend[~over], t_pend[~over])
         pend_w.update(zip(pend[~over].tolist(), soft.tolist(), strict=True))  # the same keys: only the weights change
+
+    def expired(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray) -> np.ndarray:
+        """Which of the pending requests ``pend`` (arrived at ``t_pend``) have been idle past the horizon at
+        ``now``: their sessions count as ended."""
+        horizon_chat, horizon_agent = (g.upper(self.horizon_sigmas) for g in gaps)
+        return now - t_pend > np.where(self._agent_a[pend], horizon_agent, horizon_chat)
 
     def refit(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray) -> np.ndarray:
         """:meth:`update` once the requests idle past the horizon are labelled: the rates and the correction refitted
@@ -361,7 +366,7 @@ class ContinuationModel:
         y[:n_lab] = self._lab_y[self._lab_n - n_lab:self._lab_n]
         idx[n_lab:] = pend
         z = self.feature_rows(idx)
-        r = np.clip(np.array(self._rates)[self._bucket_a[idx]], _P_CLIP, 1.0 - _P_CLIP)
+        r = np.clip(np.array(self._rates)[self._bucket_a[idx]], P_CLIP, 1.0 - P_CLIP)
         offset = np.log(r / (1.0 - r))
         beta = self.beta
         for _ in range(_NEWTON_STEPS):
@@ -411,5 +416,5 @@ class ContinuationModel:
             self.zb_at(zb_from)
 
     def stats(self) -> dict[str, object]:
-        return {"rates": self.rates[1:].tolist(), "beta": self.beta.tolist(), "pending": len(self._pend_t),
+        return {"rates": self.rates[1:].tolist(), "beta": self.beta.tolist(), "pending": int(sum(self._n_pending)),
                 "labelled": int(sum(self._continued) + sum(self._ended))}

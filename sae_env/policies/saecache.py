@@ -29,7 +29,7 @@ default. What differs from the paper, and why, is in the README ("SAECache"). Th
 position decay are off by default: under the hit density they did not help on real traces (configs/ablation.yaml).
 
 Victim selection. Unpinned blocks belong to one recency list per group, in release order (vLLM's free-queue order):
-a group is (queue, type when ``type_weights``, continuation bin), the bin being ``logit p`` rounded to ``_BIN``, so
+a group is (queue, type when ``type_weights``, continuation bin), the bin being ``logit p`` rounded to ``LOGIT_BIN``, so
 that every block of a group shares one score function of its idle time. Under the paper's ranking that function
 falls with idle time, so a group's minimum is its least recently released leaf; under the hit density it rises,
 then falls (quasi-concave, tested), so the minimum is its least or most recently released leaf: two candidates per

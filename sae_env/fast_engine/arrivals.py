@@ -1,0 +1,431 @@
+"""Compiled twin of SAECache's arrivals (:meth:`~sae_env.policies.arrivals.Arrivals.arrive` with the continuation
+model's ``arrive`` and ``p``): a window's requests in one call, the same floats in the same order.
+
+What stays in Python is what runs once per many arrivals: the continuation model's refit (every ``REFIT_EVERY``
+arrivals: the requests idle past the horizon labelled ended, the rates' EM steps and the Newton steps of the
+correction, in numpy) and the block of ``z @ beta`` that ``p`` reads (1024 requests at a time). :func:`run` stops at
+the request that needs one of them, :class:`CompiledArrivals` does it through the Python model's own methods, and the
+loop goes on from that request.
+
+The Python objects keep what is not per arrival; the per-arrival state lives here while the compiled engine holds
+the replay, as arrays:
+
+* sessions by dense id (this trace's session ids, sorted): the last arrival and its queue (``Arrivals._sessions``),
+  the latest request (the model's ``_last_of``); the entries of sessions that this trace does not hold are kept
+  aside and written back unchanged;
+* the pending requests (the model's ``_pend_t`` / ``_pend_w``) in arrival order, i.e. by increasing request index:
+  a request is found by binary search, and one that got its label has a NaN weight until the next refit compacts
+  the arrays;
+* the per-turn counts and rates (the model's lists), the labelled buffer (the model's own arrays), the gap
+  statistics and the shared prefixes' counts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from sae_env.fast_engine.jit import jit
+from sae_env.policies.arrivals import AG, CH, LOGIT_BIN, LOGIT_MAX, PE, REFIT_EVERY, ST, Arrivals
+from sae_env.policies.continuation import P_CLIP
+
+__all__ = ["CompiledArrivals"]
+
+DONE, REFIT_DUE, NEED_ZB, NEED_ROOM = range(4)  # why run() returned
+# Integer scalars: arrivals so far, shared-prefix uses and reuses, pending entries, labelled entries, the z @ beta
+# block's first request and length, whether the refit due at the next arrival was done,
+# and the next insertion rank of the sessions' dict and of the model's latest-request dict.
+ARRIVALS, PREFIX_USES, PREFIX_REUSED, PQ_N, LAB_N, ZB_FROM, ZB_LEN, REFIT_DONE, SESS_NEXT, LAST_NEXT = range(10)
+P_ST = 0  # float scalars: the structural continuation rate
+# Options: a continuation model, the hit density, PE routing, multi_queue, censoring, features, buffer.
+HAS_MODEL, DENSITY, PE_ROUTING, MULTI, CENSORING, FEATURES, BUFFER = range(7)
+THRESHOLD, PRIOR_A, PRIOR_B = range(3)
+REFIT, STRUCTURAL = 1, 2  # request flags, as the compiled SAECache reads them
+
+
+class ArrivalState(NamedTuple):
+    queue_of: np.ndarray  # int8 per request: its queue by routing
+    session: np.ndarray  # int64 per request: its dense session id (-1: unknown)
+    prefix_of: np.ndarray  # int32 per request: its shared prefix (-1: none)
+    bucket: np.ndarray  # int per request: its turn bucket
+    sess_t: np.ndarray  # float64 per session: its last arrival (NaN: none yet)
+    sess_q: np.ndarray  # int8 per session: the queue of that arrival
+    sess_rank: np.ndarray  # int64 per session: its place in the Python dict's order (insertion order)
+    last_req: np.ndarray  # int64 per session: its latest request (-1: none)
+    last_rank: np.ndarray  # int64 per session: the same for the model's dict
+    prefix_last: np.ndarray  # float64 per shared prefix: its last use (NaN: none), Arrivals' own array
+    gap: np.ndarray  # float64 [queue, (n, sum ln gap, sum ln^2 gap)]
+    pq_req: np.ndarray  # int64: pending requests, increasing ...
+    pq_t: np.ndarray  # float64 ... their arrivals ...
+    pq_w: np.ndarray  # float64 ... and soft weights (NaN: labelled since the last refit)
+    rates: np.ndarray  # float64 per turn bucket
+    alive: np.ndarray  # float64 per turn bucket: the pending requests' soft weights, summed
+    continued: np.ndarray  # float64 per turn bucket
+    ended: np.ndarray  # float64 per turn bucket
+    n_pending: np.ndarray  # int64 per turn bucket
+    lab_i: np.ndarray  # int64: the model's labelled requests ...
+    lab_y: np.ndarray  # float64 ... and their labels
+    zb: np.ndarray  # float64: z @ beta of requests ZB_FROM .. ZB_FROM + ZB_LEN - 1
+    ai: np.ndarray  # int64 scalars (above)
+    af: np.ndarray  # float64 scalars
+    opt: np.ndarray  # int64 options
+    optf: np.ndarray  # float64: continue_threshold, the prior's two pseudo-counts
+
+
+@jit
+def _find(keys, n, x):
+    """The position of ``x`` among the increasing ``keys[:n]``, or -1."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if keys[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo if lo < n and keys[lo] == x else -1
+
+
+@jit
+def _record(st, j, y):
+    """ContinuationModel._record."""
+    ai = st.ai
+    n = ai[LAB_N]
+    st.lab_i[n] = j
+    st.lab_y[n] = y
+    n += 1
+    buffer = st.opt[BUFFER]
+    if n > 2 * buffer:
+        for m in range(buffer):
+            st.lab_i[m] = st.lab_i[n - buffer + m]
+            st.lab_y[m] = st.lab_y[n - buffer + m]
+        n = buffer
+    ai[LAB_N] = n
+
+
+@jit
+def _model_arrive(st, i, now):
+    """ContinuationModel.arrive (with p): returns p_i."""
+    ai, opt = st.ai, st.opt
+    a, b = st.optf[PRIOR_A], st.optf[PRIOR_B]
+    rates, alive, n_pending, continued, ended = st.rates, st.alive, st.n_pending, st.continued, st.ended
+    s = st.session[i]
+    if s >= 0:
+        j = st.last_req[s]
+        if j < 0:
+            st.last_rank[s] = ai[LAST_NEXT]
+            ai[LAST_NEXT] += 1
+        else:
+            pos = _find(st.pq_req, ai[PQ_N], j)
+            if pos >= 0 and st.pq_w[pos] == st.pq_w[pos]:  # still pending: labelled continued
+                w = st.pq_w[pos]
+                st.pq_w[pos] = np.nan
+                k = st.bucket[j]
+                n_pending[k] -= 1
+                alive[k] -= w
+                c = continued[k] + 1
+                continued[k] = c
+                rates[k] = (c + alive[k] + a) / (c + ended[k] + n_pending[k] + a + b)
+                _record(st, j, 1.0)
+        st.last_req[s] = i
+    k = st.bucket[i]
+    w = rates[k] if opt[CENSORING] else 0.0
+    n = ai[PQ_N]
+    st.pq_req[n] = i
+    st.pq_t[n] = now
+    st.pq_w[n] = w
+    ai[PQ_N] = n + 1
+    n_pending[k] += 1
+    alive[k] += w
+    c = continued[k]
+    r = (c + alive[k] + a) / (c + ended[k] + n_pending[k] + a + b)
+    rates[k] = r
+    if not opt[FEATURES]:
+        return r
+    if P_CLIP <= r <= 1.0 - P_CLIP:
+        x = math.log(r / (1.0 - r))
+    else:
+        rc = min(max(r, P_CLIP), 1.0 - P_CLIP)
+        x = math.log(rc / (1.0 - rc))
+    x += st.zb[i - ai[ZB_FROM]]
+    return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
+
+
+@jit
+def _slot_of(p):
+    """arrivals.slot_of."""
+    if 0.0 < p < 1.0:
+        x = math.log(p / (1.0 - p))
+    else:
+        x = LOGIT_MAX if p >= 1.0 else -LOGIT_MAX
+    x = min(max(x, -LOGIT_MAX), LOGIT_MAX)
+    return 1 + int(round((x + LOGIT_MAX) / LOGIT_BIN))
+
+
+@jit
+def _add_gap(gap, q, dt):
+    lg = math.log(dt)
+    gap[q, 0] += 1.0
+    gap[q, 1] += lg
+    gap[q, 2] += lg * lg
+
+
+@jit
+def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
+    """Arrivals.arrive for requests ``i0 .. i1-1`` (arriving at ``times[i]``): their queue, continuation bin, flags
+    and structural rate in ``out_*[i]``. Returns ``(i, why)``: ``i`` the request it stopped at (``i1``: DONE), before
+    anything of it was done, to have its refit run (REFIT_DUE; set REFIT_DONE then), its z @ beta block computed
+    (NEED_ZB) or the pending arrays grown (NEED_ROOM)."""
+    ai, opt = st.ai, st.opt
+    has_model, density = opt[HAS_MODEL], opt[DENSITY]
+    for i in range(i0, i1):
+        now = times[i]
+        nxt = ai[ARRIVALS] + 1
+        refit = (density or has_model) and nxt % REFIT_EVERY == 0
+        if has_model:
+            if refit and not ai[REFIT_DONE]:
+                return i, REFIT_DUE
+            if opt[FEATURES] and not (ai[ZB_FROM] <= i < ai[ZB_FROM] + ai[ZB_LEN]):
+                return i, NEED_ZB
+            if ai[PQ_N] == st.pq_req.size:
+                return i, NEED_ROOM
+        ai[REFIT_DONE] = 0
+        ai[ARRIVALS] = nxt
+        q = st.queue_of[i]
+        slot = 0
+        if has_model:
+            p = _model_arrive(st, i, now)
+            if opt[PE_ROUTING] and opt[MULTI] and p < st.optf[THRESHOLD]:
+                q = PE
+            if density:
+                slot = _slot_of(p)
+        s = st.session[i]
+        if s >= 0:
+            last = st.sess_t[s]
+            if last != last:  # a new entry of the sessions' dict
+                st.sess_rank[s] = ai[SESS_NEXT]
+                ai[SESS_NEXT] += 1
+            elif q == CH or q == AG:
+                gap = now - last
+                if gap > 0:
+                    _add_gap(st.gap, q, gap)
+            st.sess_t[s] = now
+            st.sess_q[s] = q
+        structural = 0
+        if density:
+            key = st.prefix_of[i]
+            if key >= 0:
+                structural = STRUCTURAL
+                ai[PREFIX_USES] += 1
+                last_use = st.prefix_last[key]
+                if last_use == last_use:
+                    ai[PREFIX_REUSED] += 1
+                    if now > last_use:
+                        _add_gap(st.gap, ST, now - last_use)
+                st.prefix_last[key] = now
+                st.af[P_ST] = (ai[PREFIX_REUSED] + 1.0) / (ai[PREFIX_USES] + 2.0)
+        out_q[i] = q
+        out_slot[i] = slot
+        out_flags[i] = (REFIT if refit else 0) + structural
+        out_pst[i] = st.af[P_ST]
+    return i1, DONE
+
+
+def _split(ids: np.ndarray, known: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Map ``ids`` (entries of a dict) onto the sorted ``known`` ids: (positions among them, which entries are
+    there, the indices of the others)."""
+    at = np.minimum(np.searchsorted(known, ids), max(known.size - 1, 0))
+    found = known[at] == ids if known.size else np.zeros(ids.size, dtype=bool)
+    return at, found, np.flatnonzero(~found).tolist()
+
+
+class CompiledArrivals:
+    """An :class:`~sae_env.policies.arrivals.Arrivals` (bound to ``trace``) whose per-arrival state moved into an
+    :class:`ArrivalState`; :meth:`save` writes it back."""
+
+    def __init__(self, arrivals: Arrivals) -> None:
+        self.arrivals = arrivals
+        trace = arrivals.trace
+        model = arrivals.model
+        sid = np.asarray(trace.session, dtype=np.int64)
+        known = sid >= 0
+        self.ids, dense = np.unique(sid[known], return_inverse=True)
+        session = np.full(sid.size, -1, dtype=np.int64)
+        session[known] = dense
+        ns = self.ids.size
+        sess_t, sess_q = np.full(ns, np.nan), np.zeros(ns, dtype=np.int8)
+        sess_rank, last_rank = np.zeros(ns, dtype=np.int64), np.zeros(ns, dtype=np.int64)
+        ids = np.fromiter(arrivals._sessions.keys(), dtype=np.int64, count=len(arrivals._sessions))
+        vals = list(arrivals._sessions.values())
+        at, found, other = _split(ids, self.ids)
+        if found.any():
+            sess_t[at[found]] = [vals[k][0] for k in np.flatnonzero(found).tolist()]
+            sess_q[at[found]] = [vals[k][1] for k in np.flatnonzero(found).tolist()]
+            sess_rank[at[found]] = np.flatnonzero(found)
+        # (rank, id, value) of the entries of sessions this trace does not hold
+        self._other_sessions = [(k, int(ids[k]), vals[k]) for k in other]
+        last_req = np.full(ns, -1, dtype=np.int64)
+        self._other_last: list[tuple[int, int, int]] = []
+        n_last = 0
+        k = (model.max_turn + 1) if model is not None else 1
+        if model is not None:
+            lids = np.fromiter(model._last_of.keys(), dtype=np.int64, count=len(model._last_of))
+            lreq = np.fromiter(model._last_of.values(), dtype=np.int64, count=len(model._last_of))
+            at, found, other = _split(lids, self.ids)
+            last_req[at[found]] = lreq[found]
+            last_rank[at[found]] = np.flatnonzero(found)
+            self._other_last = [(j, int(lids[j]), int(lreq[j])) for j in other]
+            n_last = lids.size
+            pend = np.fromiter(model._pend_t.keys(), dtype=np.int64, count=len(model._pend_t))
+            if pend.size > 1 and not np.all(np.diff(pend) > 0):
+                raise ValueError("compiled arrivals: pending requests out of arrival order")
+            cap = max(2 * pend.size, 1024)
+            pq_req, pq_t, pq_w = np.zeros(cap, dtype=np.int64), np.zeros(cap), np.zeros(cap)
+            pq_req[:pend.size] = pend
+            pq_t[:pend.size] = np.fromiter(model._pend_t.values(), dtype=np.float64, count=pend.size)
+            pq_w[:pend.size] = np.fromiter(model._pend_w.values(), dtype=np.float64, count=pend.size)
+            bucket, lab_i, lab_y = model._bucket_a, model._lab_i, model._lab_y
+            zb = np.zeros(1024)
+            zb_from, zb_len = 0, 0
+            if model._zb is not None:
+                zb_from, zb_len = model._zb_from, model._zb.size
+                zb[:zb_len] = model._zb
+            prior = model.prior
+            censoring, features, buffer = model.censoring, model.features, model.buffer
+        else:
+            pq_req, pq_t, pq_w = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1)
+            bucket = np.zeros(1, dtype=np.int8)
+            lab_i, lab_y, zb = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1)
+            zb_from = zb_len = 0
+            prior, censoring, features, buffer = (1.0, 1.0), False, False, 1
+        gap = np.zeros((4, 3))
+        for q, v in arrivals.gap_stats.items():
+            gap[q] = v
+        ai = np.array([arrivals.arrivals, arrivals._prefix_uses, arrivals._prefix_reused,
+                       len(model._pend_t) if model is not None else 0, model._lab_n if model is not None else 0,
+                       zb_from, zb_len, 0, ids.size, n_last], dtype=np.int64)
+        counts = [np.array(getattr(model, f), dtype=t) if model is not None else np.zeros(k, dtype=t)
+                  for f, t in (("_rates", np.float64), ("_alive", np.float64), ("_continued", np.float64),
+                               ("_ended", np.float64), ("_n_pending", np.int64))]
+        self.state = ArrivalState(
+            queue_of=np.frombuffer(arrivals._queue_of, dtype=np.int8), session=session,
+            prefix_of=np.frombuffer(arrivals._prefix_of, dtype=np.int32), bucket=bucket, sess_t=sess_t,
+            sess_q=sess_q, sess_rank=sess_rank, last_req=last_req, last_rank=last_rank,
+            prefix_last=arrivals._prefix_last, gap=gap, pq_req=pq_req, pq_t=pq_t,
+            pq_w=pq_w, rates=counts[0], alive=counts[1], continued=counts[2], ended=counts[3], n_pending=counts[4],
+            lab_i=lab_i, lab_y=lab_y, zb=zb, ai=ai, af=np.array([arrivals.p_structural]),
+            opt=np.array([model is not None, arrivals.density, arrivals.pe_routing, arrivals.multi_queue, censoring,
+                          features, buffer], dtype=np.int64),
+            optf=np.array([arrivals.continue_threshold, prior[0], prior[1]]))
+
+    def run(self, a: int, b: int, out_q: np.ndarray, out_slot: np.ndarray, out_flags: np.ndarray,
+            out_pst: np.ndarray) -> None:
+        """Requests ``a .. b-1`` arrive (at their trace times): what :meth:`Arrivals.arrive` returns for each, in
+        ``out_*[i]`` (the structural rate after it in ``out_pst``)."""
+        times = self.arrivals.trace.t
+        i = a
+        while True:
+            i, why = run(self.state, i, b, times, out_q, out_slot, out_flags, out_pst)
+            if why == DONE:
+                return
+            if why == REFIT_DUE:
+                self._refit(float(times[i]))
+            elif why == NEED_ZB:
+                zb = self.arrivals.model.zb_at(i)
+                self.state.zb[:zb.size] = zb
+                self.state.ai[ZB_FROM], self.state.ai[ZB_LEN] = i, zb.size
+            else:
+                self._grow()
+
+    def _grow(self) -> None:
+        st = self.state
+        n = int(st.ai[PQ_N])
+        grown = [np.zeros(2 * n, dtype=x.dtype) for x in (st.pq_req, st.pq_t, st.pq_w)]
+        for new, old in zip(grown, (st.pq_req, st.pq_t, st.pq_w), strict=True):
+            new[:n] = old[:n]
+        self.state = st._replace(pq_req=grown[0], pq_t=grown[1], pq_w=grown[2])
+
+    def _counts_to_model(self) -> None:
+        st, model = self.state, self.arrivals.model
+        model._rates, model._alive = st.rates.tolist(), st.alive.tolist()
+        model._continued, model._ended = st.continued.tolist(), st.ended.tolist()
+        model._n_pending = st.n_pending.tolist()
+        model._lab_n = int(st.ai[LAB_N])
+
+    def _counts_from_model(self) -> None:
+        st, model = self.state, self.arrivals.model
+        st.rates[:], st.alive[:] = model._rates, model._alive
+        st.continued[:], st.ended[:], st.n_pending[:] = model._continued, model._ended, model._n_pending
+        st.ai[LAB_N] = model._lab_n
+
+    def _pending(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        st = self.state
+        n = int(st.ai[PQ_N])
+        live = ~np.isnan(st.pq_w[:n])
+        return st.pq_req[:n][live], st.pq_t[:n][live], st.pq_w[:n][live]
+
+    def _refit(self, now: float) -> None:
+        """ContinuationModel.update, on the pending arrays, through the model's own methods."""
+        st, model = self.state, self.arrivals.model
+        self._counts_to_model()
+        pend, t_pend, w_pend = self._pending()
+        over = model.expired(now, self.arrivals.gaps, pend, t_pend)
+        for i, w in zip(pend[over].tolist(), w_pend[over].tolist(), strict=True):  # ended, in arrival order
+            model._unpend(i, w)
+            model._label(i, 0.0)
+        pend, t_pend = pend[~over], t_pend[~over]
+        soft = model.refit(now, self.arrivals.gaps, pend, t_pend)
+        m = pend.size
+        st.pq_req[:m], st.pq_t[:m], st.pq_w[:m] = pend, t_pend, soft
+        st.ai[PQ_N] = m
+        self._counts_from_model()
+        st.ai[ZB_LEN] = 0 if model._zb is None else st.ai[ZB_LEN]
+        st.ai[REFIT_DONE] = 1
+
+    def reset_window(self) -> None:
+        self.state.gap[:] = 0.0
+        self.arrivals.reset_window()
+
+    def save(self) -> Arrivals:
+        """Write the per-arrival state back into the Python objects; returns the arrivals."""
+        st, arrivals, model = self.state, self.arrivals, self.arrivals.model
+        arrivals.arrivals = int(st.ai[ARRIVALS])
+        arrivals._prefix_uses, arrivals._prefix_reused = int(st.ai[PREFIX_USES]), int(st.ai[PREFIX_REUSED])
+        arrivals.p_structural = float(st.af[P_ST])
+        arrivals.gap_stats = {q: [int(st.gap[q, 0]), float(st.gap[q, 1]), float(st.gap[q, 2])] for q in (CH, AG, ST)}
+        # the dicts in the Python engine's order: insertion order, which the ranks record
+        seen = np.flatnonzero(~np.isnan(st.sess_t))
+        entries = self._other_sessions + list(zip(st.sess_rank[seen].tolist(), self.ids[seen].tolist(),
+                                                  zip(st.sess_t[seen].tolist(), st.sess_q[seen].tolist(), strict=True),
+                                                  strict=True))
+        arrivals._sessions = {s: v for _, s, v in sorted(entries)}
+        if model is not None:
+            self._counts_to_model()
+            has = np.flatnonzero(st.last_req >= 0)
+            entries = self._other_last + list(zip(st.last_rank[has].tolist(), self.ids[has].tolist(),
+                                                  st.last_req[has].tolist(), strict=True))
+            model._last_of = {s: j for _, s, j in sorted(entries)}
+            pend, t_pend, w_pend = self._pending()
+            model._pend_t = dict(zip(pend.tolist(), t_pend.tolist(), strict=True))
+            model._pend_w = dict(zip(pend.tolist(), w_pend.tolist(), strict=True))
+        return arrivals
+
+    def stats_to_python(self) -> None:
+        """What the window statistics read (gap statistics, structural rate, the model's counts) into the Python
+        objects."""
+        st, arrivals = self.state, self.arrivals
+        arrivals.p_structural = float(st.af[P_ST])
+        arrivals.gap_stats = {q: [int(st.gap[q, 0]), float(st.gap[q, 1]), float(st.gap[q, 2])] for q in (CH, AG, ST)}
+        if arrivals.model is not None:
+            self._counts_to_model()
+
+
+def compiled(arrivals: Arrivals) -> CompiledArrivals | None:
+    """The compiled arrivals of ``arrivals`` (bound), or None where its state cannot move (pending requests out of
+    arrival order, as after importing another trace's state)."""
+    try:
+        return CompiledArrivals(arrivals)
+    except ValueError:
+        return None
+

@@ -1,0 +1,103 @@
+"""The compiled arrivals (sae_env.fast_engine.arrivals) against SAECache's Python arrivals, request for request.
+
+The engines' differential tests (test_fast_saecache.py) compare whole replays; these compare what the arrivals
+return per request and the state they leave, in windows of any size, with the corners a replay rarely reaches: the
+labelled buffer trimmed (a small buffer), the pending arrays grown, refits and z @ beta blocks at window edges.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_saecache import session_traces
+
+from sae_env.fast_engine import AVAILABLE
+from sae_env.fast_engine.arrivals import REFIT, STRUCTURAL, CompiledArrivals
+from sae_env.policies.arrivals import Arrivals
+from sae_env.policies.continuation import ContinuationModel
+from sae_env.policies.saecache import PARAM_SPECS, gap_models
+from sae_env.sources import open_trace
+from sae_env.trace import Trace
+
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="numba is not installed")
+
+DEFAULTS = {s.name: s.default for s in PARAM_SPECS}
+
+
+def arrivals_for(trace: Trace, buffer: int | None = None, **options) -> Arrivals:
+    a = Arrivals(**options)
+    if buffer is not None and a.model is not None:
+        m = a.model
+        a.model = ContinuationModel(features=m.features, censoring=m.censoring, buffer=buffer)
+    gaps = gap_models(DEFAULTS)
+    a.gaps = (gaps[2], gaps[3])
+    a.bind(trace)
+    return a
+
+
+def python_rows(a: Arrivals, trace: Trace) -> list[tuple]:
+    out = []
+    for i, now in enumerate(trace.t.tolist()):
+        q, slot, refit, structural = a.arrive(trace, i, now)
+        out.append((q, slot, REFIT * refit + STRUCTURAL * structural, a.p_structural))
+    return out
+
+
+def compiled_rows(a: Arrivals, trace: Trace, cuts: list[int]) -> tuple[list[tuple], CompiledArrivals]:
+    """The compiled arrivals over the windows between ``cuts``, saved into (and reloaded from) the Python objects
+    between windows."""
+    n = len(trace)
+    q, slot, flags, pst = (np.zeros(n, dtype=np.int8), np.zeros(n, dtype=np.int8), np.zeros(n, dtype=np.int8),
+                           np.zeros(n))
+    bounds = sorted({0, n, *[c % (n + 1) for c in cuts]})
+    c = CompiledArrivals(a)
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        c.run(lo, hi, q, slot, flags, pst)
+        c = CompiledArrivals(c.save())
+    return list(zip(q.tolist(), slot.tolist(), flags.tolist(), pst.tolist(), strict=True)), c
+
+
+def same_state(x: dict, y: dict) -> None:
+    assert x.keys() == y.keys()
+    for k in x:
+        np.testing.assert_array_equal(np.asarray(x[k]), np.asarray(y[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("name", ["wildchat", "mooncake_arxiv", "mooncake_synthetic", "taubench", "bailian"])
+def test_every_embedded_trace_gives_the_same_arrivals(name):
+    trace, _ = open_trace(name)
+    ref, fast = arrivals_for(trace), arrivals_for(trace)
+    want = python_rows(ref, trace)
+    got, c = compiled_rows(fast, trace, [len(trace) // 3, len(trace) // 3 + 1, 700])
+    assert got == want
+    assert sum(f & REFIT for _, _, f, _ in got) >= len(trace) // 64  # refits happened
+    same_state(c.save().export_state(), ref.export_state())
+
+
+def test_small_buffer_and_growth_give_the_same_arrivals():
+    """A labelled buffer of 8 is trimmed every few labels; mooncake_synthetic keeps thousands of requests pending
+    (more than the pending arrays first hold)."""
+    trace, _ = open_trace("mooncake_synthetic")
+    ref, fast = arrivals_for(trace, buffer=8), arrivals_for(trace, buffer=8)
+    want = python_rows(ref, trace)
+    got, c = compiled_rows(fast, trace, [1500])
+    assert got == want
+    assert c.state.pq_req.size > 1024  # grown
+    same_state(c.save().export_state(), ref.export_state())
+
+
+@settings(max_examples=40, deadline=None)
+@given(trace=session_traces(max_requests=80), cuts=st.lists(st.integers(0, 80), max_size=4),
+       options=st.fixed_dictionaries({"continuation": st.booleans(), "density": st.booleans(),
+                                      "continuation_features": st.booleans(), "censoring": st.booleans(),
+                                      "pe_routing": st.booleans(), "multi_queue": st.booleans()}),
+       buffer=st.sampled_from([None, 2, 5]))
+def test_random_traces_give_the_same_arrivals(trace, cuts, options, buffer):
+    ref, fast = arrivals_for(trace, buffer, **options), arrivals_for(trace, buffer, **options)
+    want = python_rows(ref, trace)
+    got, c = compiled_rows(fast, trace, cuts)
+    assert got == want
+    same_state(c.save().export_state(), ref.export_state())
+    assert c.arrivals.window_stats({}) == ref.window_stats({})
