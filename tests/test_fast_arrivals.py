@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_saecache import session_traces
 
 from sae_env.fast_engine import AVAILABLE
-from sae_env.fast_engine.arrivals import REFIT, STRUCTURAL, CompiledArrivals
+from sae_env.fast_engine.arrivals import REFIT, STRUCTURAL, CompiledArrivals, compiled
 from sae_env.policies.arrivals import Arrivals
 from sae_env.policies.continuation import ContinuationModel
 from sae_env.policies.saecache import PARAM_SPECS, gap_models
@@ -101,3 +101,15 @@ def test_random_traces_give_the_same_arrivals(trace, cuts, options, buffer):
     assert got == want
     same_state(c.save().export_state(), ref.export_state())
     assert c.arrivals.window_stats({}) == ref.window_stats({})
+
+
+def test_pending_out_of_arrival_order_stays_in_python():
+    """The pending arrays are searched by request index, so a state whose pending requests are not in arrival order
+    (imported from another trace's replay) keeps the Python arrivals."""
+    trace = open_trace("wildchat")[0][:50]
+    a = arrivals_for(trace)
+    python_rows(a, trace)
+    assert compiled(a) is not None
+    a.model._pend_t = dict(reversed(list(a.model._pend_t.items())))
+    a.model._pend_w = dict(reversed(list(a.model._pend_w.items())))
+    assert len(a.model._pend_t) > 1 and compiled(a) is None

@@ -47,7 +47,7 @@ REFIT, STRUCTURAL = 1, 2  # request flags, as the compiled SAECache reads them
 
 class ArrivalState(NamedTuple):
     queue_of: np.ndarray  # int8 per request: its queue by routing
-    session: np.ndarray  # int64 per request: its dense session id (-1: unknown)
+    session: np.ndarray  # int32 (int64 past 2**31 sessions) per request: its dense session id (-1: unknown)
     prefix_of: np.ndarray  # int32 per request: its shared prefix (-1: none)
     bucket: np.ndarray  # int per request: its turn bucket
     sess_t: np.ndarray  # float64 per session: its last arrival (NaN: none yet)
@@ -251,7 +251,7 @@ class CompiledArrivals:
         sid = np.asarray(trace.session, dtype=np.int64)
         known = sid >= 0
         self.ids, dense = np.unique(sid[known], return_inverse=True)
-        session = np.full(sid.size, -1, dtype=np.int64)
+        session = np.full(sid.size, -1, dtype=np.int32 if self.ids.size < 2**31 else np.int64)  # 4 bytes a request
         session[known] = dense
         ns = self.ids.size
         sess_t, sess_q = np.full(ns, np.nan), np.zeros(ns, dtype=np.int8)

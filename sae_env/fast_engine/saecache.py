@@ -3,7 +3,8 @@ default), with the same victims as the Python policy at every eviction.
 
 What the arrivals alone decide (each request's queue and continuation bin, the continuation model and its refits,
 the shared prefixes' reuse rate, the gap statistics; :class:`~sae_env.policies.arrivals.Arrivals`) does not depend
-on the cache: the twin runs it in Python ahead of each window and hands the kernel one row per request (queue, bin,
+on the cache: the twin runs it ahead of each window (compiled: :mod:`sae_env.fast_engine.arrivals`, where a
+replay's own state allows) and hands the kernel one row per request (queue, bin,
 whether the policy refits there, the structural continuation rate after it). Whatever depends on the cache is in
 the kernel, applied at the same request as the Python policy applies it: the turnover time (capacity over the
 insertion rate) re-estimated at each refit, the occupancy and hits per queue.
