@@ -393,7 +393,7 @@ def _unchained() -> Trace:
 def _cases():
     trace = build_trace([[0, 1], [0, 2]])
     return [
-        (trace, PrefixCache(4, make_policy("saecache-paper")), {}, "no compiled engine"),
+        (trace, PrefixCache(4, make_policy("saecache-paper", lognormal=False)), {}, "exponential"),
         (trace, PrefixCache(4, make_policy("s3fifo", max_freq=2.5)), {}, "whole numbers"),
         (trace, PrefixCache(4, _MyLRU()), {}, "no compiled engine"),
         (trace, PrefixCache(4, make_policy("lru")), {"check": True}, "check=True"),

@@ -43,7 +43,7 @@ from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QU
 from sae_env.fast_engine.treap import GROUP, STAMP, WHERE
 from sae_env.fast_engine.twin import Twin, register
 from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, ST, slot_p
-from sae_env.policies.saecache import GROUP_SLOT, SAECachePolicy, gap_models, window_stats
+from sae_env.policies.saecache import GROUP_SLOT, SAECachePaperPolicy, SAECachePolicy, gap_models, window_stats
 from sae_env.trace import TokenType
 
 N_GROUPS = GROUP_SLOT * (N_SLOTS + 1)
@@ -54,12 +54,14 @@ _TINY = 1e-300
 # releases since the last scan, whether the scan instant is set, groups seen, the constants'
 # epoch, blocks inserted since the last turnover estimate, whether the window's start / the insertion rate / the
 # horizon are known, multi_queue, type_weights, the request context (prompt and output queue, bin, prompt blocks,
-# reasoning output).
+# reasoning output), then the ranking's switches: the hit density, sampled structural groups, position decay.
 SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
-    MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON = range(19)
+    MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY = range(22)
 # Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
-# structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity.
-CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, EXP_MEAN_CH, CAPACITY = range(9)
+# structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity,
+# the position decay's power gamma.
+CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, EXP_MEAN_CH, CAPACITY, GAMMA = range(10)
+N_ST = 16  # structural groups are queue-type codes 8 .. 15 (they carry no continuation bin)
 REFIT, STRUCTURAL = 1, 2  # request flags
 
 
@@ -87,6 +89,12 @@ class SAEState(NamedTuple):
     root: np.ndarray  # int64 [1]: the treap's root (sae_env.fast_engine.treap)
     qhits: np.ndarray  # int64 per queue: hits this window
     occ: np.ndarray  # int64 per queue: cached blocks
+    # Sampled structural groups (the paper's ranking, or position decay): see _walk.
+    offset: np.ndarray  # float64 per slot: a structural block's relative offset x_b (one entry when unsampled)
+    gdirty: np.ndarray  # int8 per group: SAECachePolicy._dirty (blocks joined since its last scan)
+    hn: np.ndarray  # int32 per structural group: candidates held from its last scan (-1: never scanned)
+    hslot: np.ndarray  # int32 [structural group, candidate]: their slots ...
+    hstamp: np.ndarray  # int64 ... and release stamps then
     si: np.ndarray
     sf: np.ndarray
 
@@ -115,6 +123,18 @@ def _remove(ps, rec, s):
     ps.gfresh[g] = 0
 
 
+@inline
+def _return(ps, rec, s):
+    """SAECachePolicy._return: an unpinned block became a leaf; it joins its group's returned set (a sampled
+    structural block still listed stays there; a parked one gets its release stamp back)."""
+    if ps.si[SAMPLED] and rec[s, QUEUE] == ST:
+        if rec[s, STAMP] > 0:
+            return
+        rec[s, STAMP] = -rec[s, STAMP]
+    _add(ps, rec, s, 2)
+    ps.gdirty[rec[s, GROUP]] = 1
+
+
 @jit
 def flush(ps, rec):
     """SAECachePolicy._flush: the deferred block joins its returned set if it is still evictable."""
@@ -122,7 +142,7 @@ def flush(ps, rec):
     if d >= 0:
         ps.si[DEFERRED] = -1
         if rec[d, STAMP] != 0 and rec[d, PIN] == 0 and rec[d, NCHILD] == 0:
-            _add(ps, rec, d, 2)
+            _return(ps, rec, d)
 
 
 @inline
@@ -162,6 +182,14 @@ def _score(ps, recf, g, s, now):
         if dt < min_dt:
             dt = min_dt
         return ps.coef[code] * (1.0 / dt)
+    if not ps.si[DENS]:  # the paper's p_q / dt
+        if dt < min_dt:
+            dt = min_dt
+        if q == ST:
+            if ps.si[DECAY]:
+                return ps.coef[code] * ((1.0 - ps.offset[s] ** ps.sf[GAMMA]) / dt)
+            return ps.coef[code] * (1.0 / dt)
+        return ps.coef[code] * (0.5 * math.erfc((math.log(dt) - ps.gaps[q, 0]) / ps.gaps[q, 1]) / dt)
     if not dt > min_dt:
         dt = min_dt
     p = ps.sf[PST] if q == ST else ps.slotp[g // GROUP_SLOT]
@@ -195,7 +223,7 @@ def _group_cands(ps, c, g):
     if b >= 0 and tp.key(rec, b) >= base + 2 * one:
         b = -1
     newest = -1
-    if (g % GROUP_SLOT) // _TYPES != PE and (a >= 0 or b >= 0):
+    if ps.si[DENS] and (g % GROUP_SLOT) // _TYPES != PE and (a >= 0 or b >= 0):
         lt = tp.below(ps.root, rec, base + one)
         if lt >= 0 and tp.key(rec, lt) < base:
             lt = -1
@@ -227,17 +255,93 @@ def _group_best(ps, c, g, now):
 
 
 @inline
-def _select(ps, c, now):
-    """The least (PE flag, score, stamp) over the groups' best candidates: SAECachePolicy.evict's scan."""
+def _held_best(ps, c, g, now):
+    """_group_best over a sampled structural group's held candidates."""
+    best, bscore, bstamp = -1, 0.0, np.int64(0)
+    for k in range(ps.hn[g]):
+        best, bscore, bstamp = _consider(ps, c, g, ps.hslot[g, k], now, best, bscore, bstamp)
+    ps.gslot[g] = best
+    ps.gscore[g] = bscore
+    ps.gstamp[g] = bstamp
+
+
+@jit
+def _walk(ps, c, g, now):
+    """SAECachePolicy._best of a sampled structural group: _structural_candidates, then _least.
+
+    The sample is what the Python scan takes: from the head of the group's list (which holds its inner nodes too),
+    leaves are counted until ``sample``; an inner node met is parked (out of the list, stamp negated: it comes back
+    through on_leaf) and the count goes on as the original scan's restart from the head counted it. Then the
+    ``sample`` oldest blocks of its returned set. The scan has side effects (the parking), so it runs exactly when
+    the Python policy runs it (see _select)."""
+    rec = c.rec
+    want = ps.hslot.shape[1] // 2
+    base = np.int64(g) << 33
+    one = np.int64(1) << 32
+    n, leaves, counted = 0, 0, 0
+    k = base
+    while True:
+        x = tp.lower(ps.root, rec, k)
+        if x < 0 or tp.key(rec, x) >= base + one:
+            break
+        k = tp.key(rec, x) + 1
+        if rec[x, NCHILD] != 0:
+            _remove(ps, rec, x)
+            rec[x, STAMP] = -rec[x, STAMP]
+            if counted + leaves >= want:
+                break
+            counted += leaves
+            continue
+        ps.hslot[g, n] = x
+        ps.hstamp[g, n] = rec[x, STAMP]
+        n += 1
+        leaves += 1
+        counted += 1
+        if counted >= want:
+            break
+    k = base + one
+    for _ in range(want):
+        x = tp.lower(ps.root, rec, k)
+        if x < 0 or tp.key(rec, x) >= base + 2 * one:
+            break
+        k = tp.key(rec, x) + 1
+        ps.hslot[g, n] = x
+        ps.hstamp[g, n] = rec[x, STAMP]
+        n += 1
+    ps.hn[g] = n
+    _held_best(ps, c, g, now)
+
+
+@inline
+def _held_invalid(ps, rec, g):
+    """A held candidate was pinned, re-released, evicted or gained a child since the scan."""
+    for k in range(ps.hn[g]):
+        s = ps.hslot[g, k]
+        if rec[s, STAMP] != ps.hstamp[g, k] or rec[s, PIN] != 0 or rec[s, NCHILD] != 0:
+            return True
+    return False
+
+
+@inline
+def _select(ps, c, now, full, rescore):
+    """The least (PE flag, score, stamp) over the groups' best candidates: SAECachePolicy.evict's scan (``full``:
+    its branch that goes over every group, at a new instant (``rescore``) or after acquires and releases)."""
     si = ps.si
     epoch = si[EPOCH]
     multi = si[MULTI]
+    sampled = si[SAMPLED]
     best, bflag, bscore, bstamp = -1, 2, 0.0, np.int64(0)
     for k in range(si[N_SEEN]):
         g = ps.seen[k]
-        if ps.gcount[g] == 0:
+        if sampled and g < N_ST and g // _TYPES == ST:
+            if ps.gdirty[g] or (full and (ps.hn[g] < 0 or rescore or _held_invalid(ps, c.rec, g))):
+                _walk(ps, c, g, now)
+                ps.gdirty[g] = 0
+            if ps.hn[g] < 0 or ps.gslot[g] < 0:
+                continue
+        elif ps.gcount[g] == 0:
             continue
-        if not ps.gfresh[g]:
+        elif not ps.gfresh[g]:
             _group_cands(ps, c, g)
             _group_best(ps, c, g, now)
         elif ps.gep[g] != epoch or ps.gnow[g] != now:
@@ -317,6 +421,8 @@ def _insert(ps, c, s, now):
     rec[s, STAMP] = 0
     rec[s, GROUP] = -1
     rec[s, WHERE] = 0
+    if si[SAMPLED]:  # x_b, the block's relative offset
+        ps.offset[s] = min(rec[s, DEPTH] / si[NPROMPT], 1.0) if q == ST else 0.0
     ps.occ[q] += 1
     si[WIN_INS] += 1
 
@@ -357,8 +463,9 @@ def _release(ps, c, path, i0, i1, now):
         if q == CH or q == AG:
             g += slot
         rec[s, GROUP] = g
-        if rec[s, NCHILD] == 0:
+        if rec[s, NCHILD] == 0 or (q == ST and si[SAMPLED]):  # a sampled structural group lists inner nodes too
             _add(ps, rec, s, 1)
+            ps.gdirty[g] = 1
     si[SEQ] = seq
 
 
@@ -371,7 +478,7 @@ def _leaf(ps, c, s):
         ps.si[DEFERRED] = s  # evict will most likely take it next
         return
     _flush(ps, rec)
-    _add(ps, rec, s, 2)
+    _return(ps, rec, s)
 
 
 @inline
@@ -389,8 +496,8 @@ def _take(ps, c, v):
     if p >= 0 and rec[p, QUEUE] == q:
         if q == CH or q == AG:
             same = rec[p, GROUP] == rec[v, GROUP]
-        else:
-            same = not si[TYPED] or rec[p, BTYPE] == rec[v, BTYPE]
+        else:  # a sampled structural group weighs each block's offset: its parent scores apart
+            same = not (q == ST and si[SAMPLED]) and (not si[TYPED] or rec[p, BTYPE] == rec[v, BTYPE])
         if same:
             si[NEXT_UP] = p
             si[NEXT_STAMP] = stamp + 1
@@ -410,13 +517,16 @@ def _evict(ps, c, now):
                 si[DEFERRED] = -1
             return _take(ps, c, up)
     _flush(ps, rec)
-    if not (si[CAND_OK] and sf[CAND_NOW] == now) or si[STALE]:
+    rescore = not (si[CAND_OK] and sf[CAND_NOW] == now)
+    full = rescore or si[STALE]
+    if full:
         si[CAND_OK] = 1
         sf[CAND_NOW] = now
         si[STALE] = 0
-    v = _select(ps, c, now)
+    v = _select(ps, c, now, full, rescore)
     if v < 0:
         return -1
+    ps.gdirty[rec[v, GROUP]] = 1
     return _take(ps, c, v)
 
 
@@ -433,17 +543,15 @@ def _opt(x: float) -> tuple[float, int]:
 
 @register
 class SAECacheTwin(Twin):
-    classes = (SAECachePolicy,)
+    classes = (SAECachePolicy, SAECachePaperPolicy)
 
     @classmethod
     def reason(cls, policy: Any) -> str | None:
         sw = policy.switches
-        if not sw["density"]:
-            return "saecache: only the hit density ranking (density=True) has a compiled engine"
         if not sw["lognormal"]:
             return "saecache: exponential gaps (lognormal=False) have no compiled engine"
-        if sw["position_decay"]:
-            return "saecache: position decay (sampled structural groups) has no compiled engine"
+        if sw["density"] and sw["position_decay"]:
+            return "saecache: position decay under the hit density (density=True) has no compiled engine"
         return None
 
     def load(self, state: dict[str, Any], n: int, core: Any) -> None:
@@ -460,14 +568,15 @@ class SAECacheTwin(Twin):
         ins_rate, has_rate = _opt(state["ins_rate"])
         win_t0, has_t0 = _opt(state["window_t0"])
         cand_now, cand_ok = _opt(state["cand_now"])
-        si = np.zeros(19, dtype=np.int64)
+        sampled = not sw["density"] or sw["position_decay"]  # as SAECachePolicy._st_sampled
+        si = np.zeros(22, dtype=np.int64)
         si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
-            TYPED, PQ, OQ, SLOT, NPROMPT, OREASON]] = [
+            TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY]] = [
             state["released"], state["next_up"], state["next_stamp"], state["deferred"], state["stale"], cand_ok,
             state["window_inserted"], has_t0, has_rate, has_hor, sw["multi_queue"], sw["type_weights"],
             state["prompt_queue"], state["output_queue"], state["slot"], state["n_prompt"],
-            state["output_reasoning"]]
-        sf = np.zeros(9)
+            state["output_reasoning"], sw["density"], sampled, sw["position_decay"]]
+        sf = np.zeros(10)
         sf[[CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, CAPACITY]] = [
             cand_now, state["now"], horizon, ins_rate, win_t0, arrivals.p_structural, policy.min_dt,
             float(self.capacity)]
@@ -485,7 +594,12 @@ class SAECacheTwin(Twin):
             gep=np.full(N_GROUPS, -1, dtype=np.int64), gcand=np.full((N_GROUPS, 3), -1, dtype=np.int32),
             gfresh=np.zeros(N_GROUPS, dtype=np.int8), slotp=np.array([slot_p(k) for k in range(N_SLOTS + 1)]),
             gaps=np.zeros((N_QUEUES, 4)), coef=np.zeros(GROUP_SLOT), root=np.full(1, -1, dtype=np.int64),
-            qhits=np.zeros(N_QUEUES, dtype=np.int64), occ=np.zeros(N_QUEUES, dtype=np.int64), si=si, sf=sf)
+            qhits=np.zeros(N_QUEUES, dtype=np.int64), occ=np.zeros(N_QUEUES, dtype=np.int64),
+            offset=np.zeros(core.rec.shape[0] if sampled else 1), gdirty=np.ones(N_GROUPS, dtype=np.int8),
+            hn=np.full(N_ST, -1, dtype=np.int32), hslot=np.zeros((N_ST, 2 * policy.sample), dtype=np.int32),
+            hstamp=np.zeros((N_ST, 2 * policy.sample), dtype=np.int64), si=si, sf=sf)
+        if sampled and "offset" in state:
+            self.state.offset[:n] = state["offset"]
         self.compiled = compiled(arrivals)  # the per-arrival state, as arrays (None: Python arrivals)
         self.state.occ[:] = state["occupancy"]
         self.state.qhits[:] = state["queue_hits"]
@@ -511,6 +625,7 @@ class SAECacheTwin(Twin):
             ps.gaps[q] = g.constants()
         mu, sigma = params["mu_chat"], params["sigma_chat"]
         ps.sf[EXP_MEAN_CH] = math.exp(mu + sigma * sigma / 2)
+        ps.sf[GAMMA] = params["gamma"]
         alpha = [1.0, params["alpha_st"], params["alpha_ch"], params["alpha_ag"]] if sw["adaptive_alpha"] \
             else [1.0] * N_QUEUES
         w = [params[f"w_{t.name.lower()}"] for t in TokenType] if sw["type_weights"] else [1.0] * len(TokenType)
@@ -562,7 +677,9 @@ class SAECacheTwin(Twin):
                 "ins_rate": float(sf[INS_RATE]) if si[HAS_RATE] else nan, "window_inserted": int(si[WIN_INS]),
                 "window_t0": float(sf[WIN_T0]) if si[HAS_T0] else nan, "inflight": inflight.astype(np.int64),
                 "inflight_queue": ps.req_q[inflight].astype(np.int64),
-                "inflight_slot": ps.req_slot[inflight].astype(np.int64), **self._python_arrivals().export_state()}
+                "inflight_slot": ps.req_slot[inflight].astype(np.int64), **self._python_arrivals().export_state(),
+                **({"offset": np.where(queue == ST, ps.offset[:n], 0.0)} if self.policy.switches["position_decay"]
+                   else {})}
 
     def begin_window(self) -> None:  # SAECachePolicy.reset_window
         self.state.qhits[:] = 0
@@ -578,6 +695,8 @@ class SAECacheTwin(Twin):
     def window_stats(self) -> dict[str, Any]:
         ps = self.state
         horizon = float(ps.sf[HORIZON]) if ps.si[HAS_HOR] else float(ps.sf[EXP_MEAN_CH])
+        if not ps.si[DENS]:
+            horizon = None
         if self.compiled is not None:
             self.compiled.stats_to_python()
         return window_stats(self.arrivals, ps.qhits.tolist(), ps.occ.tolist(), self.policy.params, horizon)
