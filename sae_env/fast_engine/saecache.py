@@ -1,5 +1,6 @@
-"""Compiled twin of ``saecache`` (:class:`~sae_env.policies.saecache.SAECachePolicy`, under its hit density: the
-default), with the same victims as the Python policy at every eviction.
+"""Compiled twin of ``saecache`` (:class:`~sae_env.policies.saecache.SAECachePolicy`: under its hit density, the
+default, and under the paper's ranking, ``saecache-paper``), with the same victims as the Python policy at every
+eviction.
 
 What the arrivals alone decide (each request's queue and continuation bin, the continuation model and its refits,
 the shared prefixes' reuse rate, the gap statistics; :class:`~sae_env.policies.arrivals.Arrivals`) does not depend
@@ -21,10 +22,15 @@ victim, released right after it into the same group, is taken without a scan whe
 always what a scan would choose on exact ties, so it is reproduced as is. Each group's candidates are kept until
 the group changes, their best until the clock moves or the constants change.
 
+Under the paper's ranking (``density=False``) a group's score falls with idle time, so its candidates are its
+oldest listed and oldest returned blocks, except in structural groups, which are *sampled*: their lists hold inner
+nodes too, and a scan takes the first ``sample`` leaves from the head, parking the inner nodes it meets, as the
+Python policy's scan does (see :func:`_walk`; it must run exactly as often, as parking changes later samples).
+
 Row columns: the release stamp, the group (set at release; -1 before), where the block waits (0: pinned or parked,
 1: its group's list, 2: its returned set) and the treap's links.
 
-Why one piece (~560 lines): the hooks, the candidate scan and the state's load and export share one row layout and
+Why one piece (~710 lines): the hooks, the candidate scan and the state's load and export share one row layout and
 one set of scalars, and each hook is the compiled copy of the Python hook of the same name; split, every module
 would import every other's column and scalar names.
 """
