@@ -166,10 +166,11 @@ def test_embedded_real_traces_agree(trace_name):
         assert_same_windows(py, fast)
 
 
+@pytest.mark.parametrize("policy", ["saecache", "saecache-paper"])
 @pytest.mark.parametrize("trace_name", ["wildchat", "mooncake_arxiv", "taubench", "real_templated"])
-def test_embedded_real_traces_agree_timed(trace_name):
+def test_embedded_real_traces_agree_timed(trace_name, policy):
     trace = real(trace_name, 300)
-    py, fast = both(trace, max(1, int(0.05 * trace.distinct_blocks())), SERVER, window_requests=100)
+    py, fast = both(trace, max(1, int(0.05 * trace.distinct_blocks())), SERVER, policy=policy, window_requests=100)
     assert_same_windows(py, fast)
 
 
