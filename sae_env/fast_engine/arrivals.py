@@ -7,17 +7,18 @@ correction, in numpy) and the block of ``z @ beta`` that ``p`` reads (1024 reque
 the request that needs one of them, :class:`CompiledArrivals` does it through the Python model's own methods, and the
 loop goes on from that request.
 
-The Python objects keep what is not per arrival; the per-arrival state lives here while the compiled engine holds
-the replay, as arrays:
+The per-arrival state lives here while the compiled engine holds the replay, as arrays, taken from the Python
+objects through the state contract (``export_state``) and given back the same way (``import_state``); the Python
+side offers only public hand-over methods (``Arrivals.routes``, the model's ``counts`` / ``set_counts`` /
+``update_pending`` / ``labelled_buffer`` / ``zb_at``):
 
-* sessions by dense id (this trace's session ids, sorted): the last arrival and its queue (``Arrivals._sessions``),
-  the latest request (the model's ``_last_of``); the entries of sessions that this trace does not hold are kept
-  aside and written back unchanged;
-* the pending requests (the model's ``_pend_t`` / ``_pend_w``) in arrival order, i.e. by increasing request index:
-  a request is found by binary search, and one that got its label has a NaN weight until the next refit compacts
-  the arrays;
-* the per-turn counts and rates (the model's lists), the labelled buffer (the model's own arrays), the gap
-  statistics and the shared prefixes' counts.
+* sessions by dense id (this trace's session ids, sorted): the last arrival and its queue, the latest request, each
+  with its place in the Python dict's insertion order (the exported state lists them in that order); the entries of
+  sessions that this trace does not hold are kept aside and given back unchanged;
+* the pending requests in arrival order, i.e. by increasing request index: a request is found by binary search,
+  and one that got its label has a NaN weight until the next refit compacts the arrays;
+* the per-turn counts and rates, the labelled buffer (the model's own arrays, appended to in place), the gap
+  statistics and the shared prefixes' last uses and counts.
 """
 
 from __future__ import annotations
@@ -233,88 +234,91 @@ def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
 
 
 def _split(ids: np.ndarray, known: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """Map ``ids`` (entries of a dict) onto the sorted ``known`` ids: (positions among them, which entries are
-    there, the indices of the others)."""
+    """Map ``ids`` (a dict's keys) onto the sorted ``known`` ids: (positions among them, which are there, the indices
+    of the others)."""
     at = np.minimum(np.searchsorted(known, ids), max(known.size - 1, 0))
     found = known[at] == ids if known.size else np.zeros(ids.size, dtype=bool)
     return at, found, np.flatnonzero(~found).tolist()
 
 
 class CompiledArrivals:
-    """An :class:`~sae_env.policies.arrivals.Arrivals` (bound to ``trace``) whose per-arrival state moved into an
-    :class:`ArrivalState`; :meth:`save` writes it back."""
+    """An :class:`~sae_env.policies.arrivals.Arrivals` (bound to a trace) whose per-arrival state moved into an
+    :class:`ArrivalState`, taken through the state contract (``export_state``); :meth:`save` gives it back
+    (``import_state``). At a refit the continuation model gets its counts back (``set_counts``), refits
+    (``update_pending``) and hands them over again (``counts``); the labelled buffer is the model's own arrays."""
 
     def __init__(self, arrivals: Arrivals) -> None:
         self.arrivals = arrivals
-        trace = arrivals.trace
         model = arrivals.model
-        sid = np.asarray(trace.session, dtype=np.int64)
+        state = arrivals.export_state()
+        sid = np.asarray(arrivals.trace.session, dtype=np.int64)
         known = sid >= 0
         self.ids, dense = np.unique(sid[known], return_inverse=True)
         session = np.full(sid.size, -1, dtype=np.int32 if self.ids.size < 2**31 else np.int64)  # 4 bytes a request
         session[known] = dense
         ns = self.ids.size
+        # Sessions: the last arrival and its queue (the arrivals' dict), the latest request (the model's dict), each
+        # with its place in its dict's order; the entries of sessions this trace does not hold are kept aside.
         sess_t, sess_q = np.full(ns, np.nan), np.zeros(ns, dtype=np.int8)
         sess_rank, last_rank = np.zeros(ns, dtype=np.int64), np.zeros(ns, dtype=np.int64)
-        ids = np.fromiter(arrivals._sessions.keys(), dtype=np.int64, count=len(arrivals._sessions))
-        vals = list(arrivals._sessions.values())
+        ids = state["session_ids"]
         at, found, other = _split(ids, self.ids)
-        if found.any():
-            sess_t[at[found]] = [vals[k][0] for k in np.flatnonzero(found).tolist()]
-            sess_q[at[found]] = [vals[k][1] for k in np.flatnonzero(found).tolist()]
-            sess_rank[at[found]] = np.flatnonzero(found)
-        # (rank, id, value) of the entries of sessions this trace does not hold
-        self._other_sessions = [(k, int(ids[k]), vals[k]) for k in other]
+        sess_t[at[found]] = state["session_last"][found]
+        sess_q[at[found]] = state["session_queue"][found]
+        sess_rank[at[found]] = np.flatnonzero(found)
+        self._other_sessions = [(k, int(ids[k]), float(state["session_last"][k]), int(state["session_queue"][k]))
+                                for k in other]  # (rank, id, last arrival, queue)
+        queue_of, prefix_of, prefix_keys = arrivals.routes()
+        self.prefix_keys = prefix_keys
+        prefix_last = np.full(prefix_keys.size, np.nan)
+        at, found, _ = _split(state["prefix_keys"], prefix_keys)
+        prefix_last[at[found]] = state["prefix_last"][found]
         last_req = np.full(ns, -1, dtype=np.int64)
         self._other_last: list[tuple[int, int, int]] = []
         n_last = 0
-        k = (model.max_turn + 1) if model is not None else 1
+        gap = np.zeros((4, 3))
+        gap[[CH, AG, ST]] = state["gap_stats"]
         if model is not None:
-            lids = np.fromiter(model._last_of.keys(), dtype=np.int64, count=len(model._last_of))
-            lreq = np.fromiter(model._last_of.values(), dtype=np.int64, count=len(model._last_of))
+            lids, lreq = state["model_last_sessions"], state["model_last_requests"]
             at, found, other = _split(lids, self.ids)
             last_req[at[found]] = lreq[found]
             last_rank[at[found]] = np.flatnonzero(found)
             self._other_last = [(j, int(lids[j]), int(lreq[j])) for j in other]
             n_last = lids.size
-            pend = np.fromiter(model._pend_t.keys(), dtype=np.int64, count=len(model._pend_t))
+            pend = state["model_pending"]
             if pend.size > 1 and not np.all(np.diff(pend) > 0):
                 raise ValueError("compiled arrivals: pending requests out of arrival order")
             cap = max(2 * pend.size, 1024)
             pq_req, pq_t, pq_w = np.zeros(cap, dtype=np.int64), np.zeros(cap), np.zeros(cap)
-            pq_req[:pend.size] = pend
-            pq_t[:pend.size] = np.fromiter(model._pend_t.values(), dtype=np.float64, count=pend.size)
-            pq_w[:pend.size] = np.fromiter(model._pend_w.values(), dtype=np.float64, count=pend.size)
-            bucket, lab_i, lab_y = model._bucket_a, model._lab_i, model._lab_y
+            pq_req[:pend.size], pq_t[:pend.size], pq_w[:pend.size] = pend, state["model_pending_t"], \
+                state["model_pending_w"]
+            rates, alive, continued, ended, n_pending, lab_n = model.counts()
+            lab_i, lab_y = model.labelled_buffer
             zb = np.zeros(1024)
             zb_from, zb_len = 0, 0
-            if model._zb is not None:
-                zb_from, zb_len = model._zb_from, model._zb.size
-                zb[:zb_len] = model._zb
-            prior = model.prior
+            if state["model_zb_from"] >= 0:
+                zb_from = int(state["model_zb_from"])
+                block = model.zb_at(zb_from)  # the block p() reads now: the same floats
+                zb_len = block.size
+                zb[:zb_len] = block
+            bucket, prior = model.turn_buckets, model.prior
             censoring, features, buffer = model.censoring, model.features, model.buffer
         else:
             pq_req, pq_t, pq_w = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1)
-            bucket = np.zeros(1, dtype=np.int8)
+            rates, alive, continued, ended = np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1)
+            n_pending, lab_n = np.zeros(1, dtype=np.int64), 0
             lab_i, lab_y, zb = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1)
             zb_from = zb_len = 0
+            bucket = np.zeros(1, dtype=np.int8)
             prior, censoring, features, buffer = (1.0, 1.0), False, False, 1
-        gap = np.zeros((4, 3))
-        for q, v in arrivals.gap_stats.items():
-            gap[q] = v
-        ai = np.array([arrivals.arrivals, arrivals._prefix_uses, arrivals._prefix_reused,
-                       len(model._pend_t) if model is not None else 0, model._lab_n if model is not None else 0,
-                       zb_from, zb_len, 0, ids.size, n_last], dtype=np.int64)
-        counts = [np.array(getattr(model, f), dtype=t) if model is not None else np.zeros(k, dtype=t)
-                  for f, t in (("_rates", np.float64), ("_alive", np.float64), ("_continued", np.float64),
-                               ("_ended", np.float64), ("_n_pending", np.int64))]
+        ai = np.array([state["arrivals"], state["prefix_uses"], state["prefix_reused"],
+                       pend.size if model is not None else 0, lab_n, zb_from, zb_len, 0, ids.size, n_last],
+                      dtype=np.int64)
         self.state = ArrivalState(
-            queue_of=np.frombuffer(arrivals._queue_of, dtype=np.int8), session=session,
-            prefix_of=np.frombuffer(arrivals._prefix_of, dtype=np.int32), bucket=bucket, sess_t=sess_t,
-            sess_q=sess_q, sess_rank=sess_rank, last_req=last_req, last_rank=last_rank,
-            prefix_last=arrivals._prefix_last, gap=gap, pq_req=pq_req, pq_t=pq_t,
-            pq_w=pq_w, rates=counts[0], alive=counts[1], continued=counts[2], ended=counts[3], n_pending=counts[4],
-            lab_i=lab_i, lab_y=lab_y, zb=zb, ai=ai, af=np.array([arrivals.p_structural]),
+            queue_of=queue_of, session=session, prefix_of=prefix_of, bucket=bucket, sess_t=sess_t, sess_q=sess_q,
+            sess_rank=sess_rank, last_req=last_req, last_rank=last_rank, prefix_last=prefix_last, gap=gap,
+            pq_req=pq_req, pq_t=pq_t, pq_w=pq_w, rates=rates, alive=alive, continued=continued, ended=ended,
+            n_pending=n_pending, lab_i=lab_i, lab_y=lab_y, zb=zb, ai=ai, af=np.array([state["p_structural"]]),
             opt=np.array([model is not None, arrivals.density, arrivals.pe_routing, arrivals.multi_queue, censoring,
                           features, buffer], dtype=np.int64),
             optf=np.array([arrivals.continue_threshold, prior[0], prior[1]]))
@@ -347,17 +351,8 @@ class CompiledArrivals:
         self.state = st._replace(pq_req=grown[0], pq_t=grown[1], pq_w=grown[2])
 
     def _counts_to_model(self) -> None:
-        st, model = self.state, self.arrivals.model
-        model._rates, model._alive = st.rates.tolist(), st.alive.tolist()
-        model._continued, model._ended = st.continued.tolist(), st.ended.tolist()
-        model._n_pending = st.n_pending.tolist()
-        model._lab_n = int(st.ai[LAB_N])
-
-    def _counts_from_model(self) -> None:
-        st, model = self.state, self.arrivals.model
-        st.rates[:], st.alive[:] = model._rates, model._alive
-        st.continued[:], st.ended[:], st.n_pending[:] = model._continued, model._ended, model._n_pending
-        st.ai[LAB_N] = model._lab_n
+        st = self.state
+        self.arrivals.model.set_counts(st.rates, st.alive, st.continued, st.ended, st.n_pending, st.ai[LAB_N])
 
     def _pending(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         st = self.state
@@ -366,50 +361,25 @@ class CompiledArrivals:
         return st.pq_req[:n][live], st.pq_t[:n][live], st.pq_w[:n][live]
 
     def _refit(self, now: float) -> None:
-        """ContinuationModel.update, on the pending arrays, through the model's own methods."""
+        """ContinuationModel.update, on the pending arrays (the model's update_pending)."""
         st, model = self.state, self.arrivals.model
         self._counts_to_model()
         pend, t_pend, w_pend = self._pending()
-        over = model.expired(now, self.arrivals.gaps, pend, t_pend)
-        for i, w in zip(pend[over].tolist(), w_pend[over].tolist(), strict=True):  # ended, in arrival order
-            model._unpend(i, w)
-            model._label(i, 0.0)
-        pend, t_pend = pend[~over], t_pend[~over]
-        soft = model.refit(now, self.arrivals.gaps, pend, t_pend)
-        m = pend.size
-        st.pq_req[:m], st.pq_t[:m], st.pq_w[:m] = pend, t_pend, soft
+        keep, soft = model.update_pending(now, self.arrivals.gaps, pend, t_pend, w_pend)
+        m = soft.size
+        st.pq_req[:m], st.pq_t[:m], st.pq_w[:m] = pend[keep], t_pend[keep], soft
         st.ai[PQ_N] = m
-        self._counts_from_model()
-        st.ai[ZB_LEN] = 0 if model._zb is None else st.ai[ZB_LEN]
+        rates, alive, continued, ended, n_pending, lab_n = model.counts()
+        st.rates[:], st.alive[:], st.continued[:], st.ended[:], st.n_pending[:] = (rates, alive, continued, ended,
+                                                                                  n_pending)
+        st.ai[LAB_N] = lab_n
+        if model.zb_block_start < 0:  # the fit moved beta: p asks for a new block
+            st.ai[ZB_LEN] = 0
         st.ai[REFIT_DONE] = 1
 
     def reset_window(self) -> None:
         self.state.gap[:] = 0.0
         self.arrivals.reset_window()
-
-    def save(self) -> Arrivals:
-        """Write the per-arrival state back into the Python objects; returns the arrivals."""
-        st, arrivals, model = self.state, self.arrivals, self.arrivals.model
-        arrivals.arrivals = int(st.ai[ARRIVALS])
-        arrivals._prefix_uses, arrivals._prefix_reused = int(st.ai[PREFIX_USES]), int(st.ai[PREFIX_REUSED])
-        arrivals.p_structural = float(st.af[P_ST])
-        arrivals.gap_stats = {q: [int(st.gap[q, 0]), float(st.gap[q, 1]), float(st.gap[q, 2])] for q in (CH, AG, ST)}
-        # the dicts in the Python engine's order: insertion order, which the ranks record
-        seen = np.flatnonzero(~np.isnan(st.sess_t))
-        entries = self._other_sessions + list(zip(st.sess_rank[seen].tolist(), self.ids[seen].tolist(),
-                                                  zip(st.sess_t[seen].tolist(), st.sess_q[seen].tolist(), strict=True),
-                                                  strict=True))
-        arrivals._sessions = {s: v for _, s, v in sorted(entries)}
-        if model is not None:
-            self._counts_to_model()
-            has = np.flatnonzero(st.last_req >= 0)
-            entries = self._other_last + list(zip(st.last_rank[has].tolist(), self.ids[has].tolist(),
-                                                  st.last_req[has].tolist(), strict=True))
-            model._last_of = {s: j for _, s, j in sorted(entries)}
-            pend, t_pend, w_pend = self._pending()
-            model._pend_t = dict(zip(pend.tolist(), t_pend.tolist(), strict=True))
-            model._pend_w = dict(zip(pend.tolist(), w_pend.tolist(), strict=True))
-        return arrivals
 
     def stats_to_python(self) -> None:
         """What the window statistics read (gap statistics, structural rate, the model's counts) into the Python
@@ -419,6 +389,37 @@ class CompiledArrivals:
         arrivals.gap_stats = {q: [int(st.gap[q, 0]), float(st.gap[q, 1]), float(st.gap[q, 2])] for q in (CH, AG, ST)}
         if arrivals.model is not None:
             self._counts_to_model()
+
+    def save(self) -> Arrivals:
+        """Give the per-arrival state back to the Python objects (``import_state``); returns the arrivals."""
+        st, arrivals, model = self.state, self.arrivals, self.arrivals.model
+        self.stats_to_python()
+        state = arrivals.export_state()  # what the compiled state does not hold (the model's beta, labels, zb)
+        # the dicts in the Python engine's order: insertion order, which the ranks record
+        seen = np.flatnonzero(~np.isnan(st.sess_t))
+        entries = sorted(self._other_sessions + list(zip(st.sess_rank[seen].tolist(), self.ids[seen].tolist(),
+                                                         st.sess_t[seen].tolist(), st.sess_q[seen].tolist(),
+                                                         strict=True)))
+        used = ~np.isnan(st.prefix_last)
+        state.update({"arrivals": int(st.ai[ARRIVALS]), "prefix_uses": int(st.ai[PREFIX_USES]),
+                      "prefix_reused": int(st.ai[PREFIX_REUSED]),
+                      "session_ids": np.array([e[1] for e in entries], dtype=np.int64),
+                      "session_last": np.array([e[2] for e in entries], dtype=np.float64),
+                      "session_queue": np.array([e[3] for e in entries], dtype=np.int64),
+                      "prefix_keys": self.prefix_keys[used], "prefix_last": st.prefix_last[used]})
+        if model is not None:
+            has = np.flatnonzero(st.last_req >= 0)
+            last = sorted(self._other_last + list(zip(st.last_rank[has].tolist(), self.ids[has].tolist(),
+                                                      st.last_req[has].tolist(), strict=True)))
+            pend, t_pend, w_pend = self._pending()
+            state.update({"model_last_sessions": np.array([e[1] for e in last], dtype=np.int64),
+                          "model_last_requests": np.array([e[2] for e in last], dtype=np.int64),
+                          "model_pending": pend, "model_pending_t": t_pend, "model_pending_w": w_pend})
+        arrivals.import_state(state)
+        if model is not None:  # import_state made new arrays of the labelled buffer
+            lab_i, lab_y = model.labelled_buffer
+            self.state = self.state._replace(lab_i=lab_i, lab_y=lab_y)
+        return arrivals
 
 
 def compiled(arrivals: Arrivals) -> CompiledArrivals | None:

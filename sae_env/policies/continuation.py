@@ -380,6 +380,48 @@ class ContinuationModel:
         self.beta = beta
         self._zb = None
 
+    # -- for a compiled copy of arrive() (sae_env.fast_engine.arrivals) ------------------------------------------
+    # It keeps the pending requests and the sessions' latest requests itself (taken and given back through the
+    # state contract) and hands the counts over at each refit.
+    @property
+    def turn_buckets(self) -> np.ndarray:
+        """Each request's turn bucket (read-only view)."""
+        return self._bucket_a
+
+    @property
+    def zb_block_start(self) -> int:
+        """The first request of the block of ``z @ beta`` that :meth:`p` reads (-1: none, computed when asked)."""
+        return -1 if self._zb is None else self._zb_from
+
+    @property
+    def labelled_buffer(self) -> tuple[np.ndarray, np.ndarray]:
+        """The labelled buffer's arrays (requests, labels; ``counts`` says how many entries are used): the model's
+        own, which a compiled copy of :meth:`arrive` appends to in place (ask again after an ``import_state``)."""
+        return self._lab_i, self._lab_y
+
+    def counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """The per-turn counts (rates, alive, continued, ended: float64; pending: int64), as copies, and the
+        labelled buffer's length."""
+        return (np.array(self._rates), np.array(self._alive, dtype=np.float64), np.array(self._continued),
+                np.array(self._ended), np.array(self._n_pending, dtype=np.int64), self._lab_n)
+
+    def set_counts(self, rates: np.ndarray, alive: np.ndarray, continued: np.ndarray, ended: np.ndarray,
+                   n_pending: np.ndarray, lab_n: int) -> None:
+        """Take back what :meth:`counts` gave, as a compiled copy of :meth:`arrive` left it."""
+        self._rates, self._alive = rates.tolist(), alive.tolist()
+        self._continued, self._ended, self._n_pending = continued.tolist(), ended.tolist(), n_pending.tolist()
+        self._lab_n = int(lab_n)
+
+    def update_pending(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray,
+                       w_pend: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`update` for a caller that keeps the pending requests ``pend`` (arrived at ``t_pend``, soft weights
+        ``w_pend``, in arrival order) itself: returns which stay pending and their new soft weights."""
+        over = self.expired(now, gaps, pend, t_pend)
+        for i, w in zip(pend[over].tolist(), w_pend[over].tolist(), strict=True):  # ended, in arrival order
+            self._unpend(i, w)
+            self._label(i, 0.0)
+        return ~over, self.refit(now, gaps, pend[~over], t_pend[~over])
+
     # -- the state contract (sae_env.state): everything but what bind() derives from the trace ---------------
     def export_state(self) -> dict[str, object]:
         pend_t, pend_w = self._pend_t, self._pend_w
@@ -393,7 +435,7 @@ class ContinuationModel:
                 "last_requests": np.fromiter(self._last_of.values(), dtype=np.int64, count=len(self._last_of)),
                 "labelled": self._lab_i[:self._lab_n].copy(), "labels": self._lab_y[:self._lab_n].copy(),
                 # p() reads z @ beta computed over a block of rows from here: the same block, the same floats
-                "zb_from": -1 if self._zb is None else self._zb_from}
+                "zb_from": self.zb_block_start}
 
     def import_state(self, state: dict[str, object]) -> None:
         """Take back an exported state; :meth:`bind` must have been called with the same trace."""
