@@ -17,8 +17,8 @@ side offers only public hand-over methods (``Arrivals.routes``, the model's ``co
   sessions that this trace does not hold are kept aside and given back unchanged;
 * the pending requests in arrival order, i.e. by increasing request index: a request is found by binary search,
   and one that got its label has a NaN weight until the next refit compacts the arrays;
-* the per-turn counts and rates, the labelled buffer (the model's own arrays, appended to in place), the gap
-  statistics and the shared prefixes' last uses and counts.
+* the per-turn counts and rates, the labelled buffer and the shared prefixes' last uses (the Python objects' own
+  arrays, updated in place), the gap statistics and the shared prefixes' counts.
 """
 
 from __future__ import annotations
@@ -268,11 +268,7 @@ class CompiledArrivals:
         sess_rank[at[found]] = np.flatnonzero(found)
         self._other_sessions = [(k, int(ids[k]), float(state["session_last"][k]), int(state["session_queue"][k]))
                                 for k in other]  # (rank, id, last arrival, queue)
-        queue_of, prefix_of, prefix_keys = arrivals.routes()
-        self.prefix_keys = prefix_keys
-        prefix_last = np.full(prefix_keys.size, np.nan)
-        at, found, _ = _split(state["prefix_keys"], prefix_keys)
-        prefix_last[at[found]] = state["prefix_last"][found]
+        queue_of, prefix_of, prefix_last = arrivals.routes()
         last_req = np.full(ns, -1, dtype=np.int64)
         self._other_last: list[tuple[int, int, int]] = []
         n_last = 0
@@ -400,13 +396,11 @@ class CompiledArrivals:
         entries = sorted(self._other_sessions + list(zip(st.sess_rank[seen].tolist(), self.ids[seen].tolist(),
                                                          st.sess_t[seen].tolist(), st.sess_q[seen].tolist(),
                                                          strict=True)))
-        used = ~np.isnan(st.prefix_last)
         state.update({"arrivals": int(st.ai[ARRIVALS]), "prefix_uses": int(st.ai[PREFIX_USES]),
                       "prefix_reused": int(st.ai[PREFIX_REUSED]),
                       "session_ids": np.array([e[1] for e in entries], dtype=np.int64),
                       "session_last": np.array([e[2] for e in entries], dtype=np.float64),
-                      "session_queue": np.array([e[3] for e in entries], dtype=np.int64),
-                      "prefix_keys": self.prefix_keys[used], "prefix_last": st.prefix_last[used]})
+                      "session_queue": np.array([e[3] for e in entries], dtype=np.int64)})
         if model is not None:
             has = np.flatnonzero(st.last_req >= 0)
             last = sorted(self._other_last + list(zip(st.last_rank[has].tolist(), self.ids[has].tolist(),
@@ -416,7 +410,9 @@ class CompiledArrivals:
                           "model_last_requests": np.array([e[2] for e in last], dtype=np.int64),
                           "model_pending": pend, "model_pending_t": t_pend, "model_pending_w": w_pend})
         arrivals.import_state(state)
-        if model is not None:  # import_state made new arrays of the labelled buffer
+        # import_state made new arrays of the prefixes' last uses and of the labelled buffer
+        self.state = self.state._replace(prefix_last=arrivals.routes()[2])
+        if model is not None:
             lab_i, lab_y = model.labelled_buffer
             self.state = self.state._replace(lab_i=lab_i, lab_y=lab_y)
         return arrivals

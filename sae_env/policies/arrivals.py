@@ -212,11 +212,12 @@ class Arrivals:
 
     # -- for a compiled copy of arrive() (sae_env.fast_engine.arrivals), which takes its state through the contract
     def routes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The bound trace's per-request routing, read-only: each request's queue, its shared prefix (an index into
-        ``prefix_keys``, -1: none), and ``prefix_keys``, the sorted last keys of the trace's shared prefixes."""
+        """The bound trace's per-request routing: each request's queue and its shared prefix (-1: none), read-only,
+        and each shared prefix's last use (NaN: none yet), the arrivals' own array, which a compiled copy of
+        :meth:`arrive` updates in place (ask again after an ``import_state``)."""
         queue_of = np.frombuffer(self._queue_of, dtype=np.int8)
         prefix_of = np.frombuffer(self._prefix_of, dtype=np.int32)
-        return queue_of, prefix_of, self._prefix_keys.copy()
+        return queue_of, prefix_of, self._prefix_last
 
     # -- the state contract (sae_env.state) ----------------------------------------------------------------
     def export_state(self) -> dict[str, Any]:
