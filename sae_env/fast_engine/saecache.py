@@ -654,7 +654,6 @@ class SAECacheTwin(Twin):
             slot.append(si)
             flags.append(REFIT * refit + STRUCTURAL * structural)
             pst.append(arrivals.p_structural)
-        ps = self.state
         ps.req_q[a:b], ps.req_slot[a:b], ps.req_flags[a:b], ps.req_pst[a:b] = q, slot, flags, pst
 
     def _python_arrivals(self):

@@ -172,12 +172,8 @@ class Arrivals:
             last = self._sessions.get(s)
             if last is not None and (q == CH or q == AG):
                 gap = now - last[0]
-                if gap > 0:  # _add_gap, written out (once per arrival)
-                    lg = math.log(gap)
-                    st = self.gap_stats[q]
-                    st[0] += 1
-                    st[1] += lg
-                    st[2] += lg * lg
+                if gap > 0:
+                    self._add_gap(q, gap)
             self._sessions[s] = (now, q)
         structural = False
         if self.density:

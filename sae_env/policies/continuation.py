@@ -223,42 +223,26 @@ class ContinuationModel:
 
     # -- online use ------------------------------------------------------------------------------------------
     def arrive(self, i: int, now: float) -> float:
-        """Request ``i`` arrived: its session's previous request is labelled continued; returns ``p_i``.
-
-        The hottest path of SAECache's arrivals: _unpend, _label and _refresh_rate written out (the same
-        operations), as their calls cost more than their work."""
-        rates, alive, n_pending = self._rates, self._alive, self._n_pending
-        a, b = self.prior
+        """Request ``i`` arrived: its session's previous request is labelled continued; returns ``p_i``. (The
+        compiled engine runs a copy of this, sae_env.fast_engine.arrivals.)"""
         s = self._session[i]
         j = self._last_of.get(s)
         if j is not None:
             w = self._pend_w.pop(j, None)
-            if w is not None:  # j is labelled continued
+            if w is not None:  # j continued: pending -> labelled
                 del self._pend_t[j]
-                k = self._bucket[j]
-                n_pending[k] -= 1
-                alive[k] -= w
-                c = self._continued[k] = self._continued[k] + 1
-                rates[k] = (c + alive[k] + a) / (c + self._ended[k] + n_pending[k] + a + b)
-                self._record(j, 1.0)
+                self._unpend(j, w)
+                self._label(j, 1.0)
         if s >= 0:  # a request of unknown session (-1) has no next request to wait for
             self._last_of[s] = i
         k = self._bucket[i]
-        w = rates[k] if self.censoring else 0.0  # a fresh request is alive with the prior probability
+        w = self._rates[k] if self.censoring else 0.0  # a fresh request is alive with the prior probability
         self._pend_t[i] = now
         self._pend_w[i] = w
-        n_pending[k] += 1
-        alive[k] += w
-        c = self._continued[k]
-        r = rates[k] = (c + alive[k] + a) / (c + self._ended[k] + n_pending[k] + a + b)
-        if not self.features:
-            return float(r)
-        zb = self._zb
-        if zb is None or not (self._zb_from <= i < self._zb_from + zb.size):
-            zb = self.zb_at(i)
-        x = math.log(r / (1.0 - r)) if P_CLIP <= r <= 1.0 - P_CLIP else _logit(min(max(r, P_CLIP), 1.0 - P_CLIP))
-        x += float(zb[i - self._zb_from])
-        return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
+        self._n_pending[k] += 1
+        self._alive[k] += w
+        self._refresh_rate(k)
+        return self.p(i)
 
     def _unpend(self, i: int, w: float) -> None:
         k = self._bucket[i]
@@ -318,13 +302,11 @@ class ContinuationModel:
         n = len(pend_t)
         pend = np.fromiter(pend_t.keys(), dtype=np.int64, count=n)
         t_pend = np.fromiter(pend_t.values(), dtype=np.float64, count=n)
-        over = self.expired(now, gaps, pend, t_pend)
-        for i in pend[over].tolist():  # ended, in arrival order
-            del pend_t[i]
-            self._unpend(i, pend_w.pop(i))
-            self._label(i, 0.0)
-        soft = self.refit(now, gaps, pend[~over], t_pend[~over])
-        pend_w.update(zip(pend[~over].tolist(), soft.tolist(), strict=True))  # the same keys: only the weights change
+        w_pend = np.fromiter(pend_w.values(), dtype=np.float64, count=n)
+        keep, soft = self.update_pending(now, gaps, pend, t_pend, w_pend)
+        for i in pend[~keep].tolist():
+            del pend_t[i], pend_w[i]
+        pend_w.update(zip(pend[keep].tolist(), soft.tolist(), strict=True))  # the same keys: only the weights change
 
     def expired(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray) -> np.ndarray:
         """Which of the pending requests ``pend`` (arrived at ``t_pend``) have been idle past the horizon at
@@ -425,7 +407,7 @@ class ContinuationModel:
     # -- the state contract (sae_env.state): everything but what bind() derives from the trace ---------------
     def export_state(self) -> dict[str, object]:
         pend_t, pend_w = self._pend_t, self._pend_w
-        return {"beta": self.beta.copy(), "rates": self.rates.copy(), "continued": np.array(self._continued),
+        return {"beta": self.beta.copy(), "rates": self.rates, "continued": np.array(self._continued),
                 "ended": np.array(self._ended), "n_pending": np.array(self._n_pending, dtype=np.int64),
                 "alive": np.array(self._alive, dtype=np.float64),
                 "pending": np.fromiter(pend_t.keys(), dtype=np.int64, count=len(pend_t)),
