@@ -10,13 +10,17 @@ table gives its token hit rate and, in brackets, its share of the LRU-to-Belady 
 the share of the gap closed on WildChat at 5 %, and SAECache's decision time per request over LPC's (CPU time of the
 replay loop, which is what ``replay``'s decision_us measures in wall time; CPU time is steadier on a shared machine).
 ``--seeds`` replays traces whose source draws arrivals or gaps (WildChat's gaps come from our generator) under
-several seeds and adds the mean margin with its 95 % interval per cache size.
+several seeds and adds the mean margin with its 95 % interval per cache size. ``--opt KEY=VALUE`` (repeatable) sets a
+source option, e.g. WildChat's session arrival ``rate``, on the traces whose source takes it (with the seeds); a trace
+whose source does not take every option is replayed once, as shipped.
 
     python benchmarks/gap_table.py [--traces wildchat,taubench] [--capacities 0.05,0.1,0.2]
                                    [--policies lru,lpc,saecache,reuse-oracle,session-oracle,belady] [--json FILE]
     python benchmarks/gap_table.py --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady --criteria
     python benchmarks/gap_table.py --traces wildchat --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady \
         --criteria --seeds 0,1,2,3,4
+    python benchmarks/gap_table.py --traces wildchat --capacities 0.05,0.1,0.2 --policies lru,lpc,saecache,belady \
+        --criteria --seeds 0,1,2,3,4 --opt rate=0.1
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from typing import Any
 
 from agents.cli import AgentsExtension
 from sae_env.cache import PrefixCache, resolve_capacity
+from sae_env.cli import UsageError, parse_options
 from sae_env.explain import gap_share
 from sae_env.files import write_json
+from sae_env.inputs import UnknownOptionError
 from sae_env.metrics import summarize
 from sae_env.policies import make_policy, policy_names
 from sae_env.replay import Replay
@@ -59,20 +65,20 @@ def margin(rate: dict[str, float]) -> float:
     return 100.0 * (rate["saecache"] - max(rate["lru"], rate["lpc"]))
 
 
-def print_criteria(rows: list[dict[str, Any]], cpu: dict[str, dict[str, float]]) -> None:
-    """The checks of ``--criteria`` over the rows of seed 0 (the embedded traces as shipped)."""
+def print_criteria(rows: list[dict[str, Any]], cpu: dict[str, dict[str, float]], where: str = "as shipped") -> None:
+    """The checks of ``--criteria`` over the rows of seed 0 (the embedded traces as shipped, or under ``where``)."""
     base = [r for r in rows if r.get("seed") in (None, 0)]
     worst = min(base, key=lambda r: margin(r["token_hit_rate"]))
     below = [r for r in base if margin(r["token_hit_rate"]) < -0.2]
     wide = [r for r in base if 100 * (r["token_hit_rate"]["belady"] - r["token_hit_rate"]["lru"]) > 5]
-    print("\nSAECache minus max(LRU, LPC), points, on the traces as shipped (seed 0):")
+    print(f"\nSAECache minus max(LRU, LPC), points, on the traces {where} (seed 0):")
     print(f"- every cell >= -0.2: {'yes' if not below else 'no'} (worst {margin(worst['token_hit_rate']):+.2f} on "
           f"{worst['trace']} at {worst['capacity']:.0%}; below -0.2: "
           + (", ".join(f"{r['trace']} {r['capacity']:.0%} {margin(r['token_hit_rate']):+.2f}" for r in below)
              or "none") + ")")
     if wide:
         mean = sum(margin(r["token_hit_rate"]) for r in wide) / len(wide)
-        print(f"- mean over the {len(wide)} cells where Belady - LRU > 5 points (the traces as shipped, seed 0): "
+        print(f"- mean over the {len(wide)} cells where Belady - LRU > 5 points (the traces {where}, seed 0): "
               f"{mean:+.2f} (needs >= +1.00)")
     for r in base:
         if r["trace"] == "wildchat" and abs(r["capacity"] - 0.05) < 1e-9:
@@ -107,7 +113,14 @@ def main(argv: list[str] | None = None) -> int:
                    "(needs lru, lpc, saecache and belady), and its decision time over LPC's")
     p.add_argument("--seeds", metavar="S,S,...", help="replay traces whose source takes a seed under each of these "
                    "seeds (others once)")
+    p.add_argument("--opt", action="append", metavar="KEY=VALUE", help="a source option (repeatable; YAML value), "
+                   "e.g. --opt rate=0.1, for the traces whose source takes it (the others once, as shipped)")
     args = p.parse_args(argv)
+    try:
+        opts = parse_options(args.opt)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     bad = [x for x in policies if x not in policy_names()] + [x for x in ("lru", "belady") if x not in policies]
     if bad:
@@ -129,18 +142,23 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = []
     cpu: dict[str, dict[str, float]] = {}
-    print("| trace | capacity | gap (pp) | " + " | ".join(policies) + (" | margin |" if args.criteria else " |"))
-    print("|---|---|---|" + "---|" * (len(policies) + args.criteria))
+    header = ["| trace | capacity | gap (pp) | " + " | ".join(policies) + (" | margin |" if args.criteria else " |"),
+              "|---|---|---|" + "---|" * (len(policies) + args.criteria)]  # printed before the first row
     for name in [x.strip() for x in args.traces.split(",") if x.strip()]:
         for seed in (seeds or [None]):
+            options = {**opts, **({} if seed is None else {"seed": seed})}
             try:
-                trace, _ = open_trace(name, None, {} if seed is None else {"seed": seed}, None)
-            except ValueError:  # a source without arrival seeds: once, as shipped
-                if seed != seeds[0]:
+                trace, _ = open_trace(name, None, options, None)
+            except UnknownOptionError:  # a source without arrival seeds or one of the options: once, as shipped
+                if seed is not None and seed != seeds[0]:
                     continue
                 trace, _ = open_trace(name, None, {}, None)
-                seed = None
-            label = name if seed is None else f"{name} (seed {seed})"
+                seed, options = None, {}
+            except ValueError as e:  # a value the source rejects (its message names the option)
+                print(f"error: --opt: {name}: {e}", file=sys.stderr)
+                return 2
+            given = [f"{k}={v}" for k, v in options.items() if k != "seed"] + ([] if seed is None else [f"seed {seed}"])
+            label = f"{name} ({', '.join(given)})" if given else name
             distinct = trace.distinct_blocks()
             for f in fractions:
                 capacity = resolve_capacity(f, distinct)
@@ -153,18 +171,22 @@ def main(argv: list[str] | None = None) -> int:
                         c["lpc"] += cells["lpc"][1]
                         c["requests"] += len(trace)
                 share = {pol: gap_share(rate[pol], rate["lru"], rate["belady"]) for pol in policies}
-                rows.append({"trace": name, "seed": seed, "capacity": f, "capacity_blocks": capacity,
+                rows.append({"trace": name, "seed": seed, "options": {k: v for k, v in options.items() if k != "seed"},
+                             "capacity": f, "capacity_blocks": capacity,
                              "token_hit_rate": rate, "gap_share": share})
                 out = [f"{100 * rate[pol]:.2f}" + ("" if share[pol] is None else f" ({round(100 * share[pol])} %)")
                        for pol in policies]
                 if args.criteria:
                     out.append(f"{margin(rate):+.2f}")
+                while header:
+                    print(header.pop(0))
                 print(f"| {label} | {f:.0%} ({capacity:,}) | {100 * (rate['belady'] - rate['lru']):.2f} | "
                       + " | ".join(out) + " |", flush=True)
     print(f"\nToken hit rate % (share of the LRU-to-Belady gap); instant serving, window {args.window}; "
           f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
     if args.criteria:
-        print_criteria(rows, cpu)
+        print_criteria(rows, cpu, "as shipped" if not opts else
+                       "with " + ", ".join(f"{k}={v}" for k, v in opts.items()) + " where their source takes it")
         if seeds:
             print_seed_summary(rows)
     if args.json:

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["TraceFormatError", "brief", "check_input_file", "check_options", "iter_json_lines", "lone_surrogate",
-           "open_binary", "open_text", "unreadable"]
+__all__ = ["TraceFormatError", "UnknownOptionError", "brief", "check_input_file", "check_options", "iter_json_lines",
+           "lone_surrogate", "open_binary", "open_text", "unreadable"]
 
 BOM = "\ufeff"
 _DECODE_ERRORS = (UnicodeDecodeError, gzip.BadGzipFile, EOFError, zlib.error)
@@ -166,11 +166,17 @@ def lone_surrogate(obj: Any, where: str = "") -> str | None:
     return None
 
 
+class UnknownOptionError(ValueError):
+    """A source was given an option it does not take (a ``ValueError``; callers that try an option on several
+    sources, such as ``benchmarks/gap_table.py --opt``, tell it from a bad value by this type)."""
+
+
 def check_options(source: str, options: dict[str, Any], allowed: set[str]) -> None:
     """Reject unknown options by name, listing the valid ones."""
     unknown = sorted(set(options) - allowed)
     if unknown:
-        raise ValueError(f"source '{source}' got unknown option(s) {unknown}; valid options: {sorted(allowed)}")
+        raise UnknownOptionError(f"source '{source}' got unknown option(s) {unknown}; "
+                                 f"valid options: {sorted(allowed)}")
 
 
 def brief(v: Any) -> str:

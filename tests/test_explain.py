@@ -284,6 +284,37 @@ def test_gap_table_script_runs():
     assert bad.returncode == 2 and "belady" in bad.stderr
 
 
+def test_gap_table_source_options(tmp_path):
+    """--opt sets a source option on the traces whose source takes it (WildChat's session rate: other numbers than
+    as shipped) and leaves the others as shipped (Bailian takes no rate); a value the source rejects exits with
+    status 2 and one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gap_table.py"
+
+    def rows(*extra):
+        out = tmp_path / "rows.json"
+        run = subprocess.run([sys.executable, str(script), "--traces", "wildchat,bailian", "--capacities", "0.05",
+                              "--policies", "lru,belady", "--json", str(out), *extra],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        return {r["trace"]: r for r in json.loads(out.read_text())}, run.stdout
+
+    shipped, _ = rows()
+    slow, text = rows("--opt", "rate=0.1")
+    assert slow["wildchat"]["options"] == {"rate": 0.1} and slow["bailian"]["options"] == {}
+    assert "| wildchat (rate=0.1) |" in text and "| bailian |" in text
+    assert slow["wildchat"]["token_hit_rate"]["lru"] != shipped["wildchat"]["token_hit_rate"]["lru"]
+    assert slow["bailian"]["token_hit_rate"] == shipped["bailian"]["token_hit_rate"]
+    for bad in (["--opt", "rate=fast"], ["--opt", "rate"]):
+        run = subprocess.run([sys.executable, str(script), "--traces", "wildchat", *bad], capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 2 and "--opt" in run.stderr and len(run.stderr.strip().splitlines()) == 1, bad
+        assert run.stdout == "", bad
+
+
 def test_explain_a_trace_file_in_timed_mode(tmp_path, capsys):
     """A trace file (--source, as for replay) with a serving model: the output folder is complete and the default
     folder name comes from the file's name."""
