@@ -260,8 +260,20 @@ def _build_policy(args: argparse.Namespace, name: str) -> tuple[Any, list]:
     options: dict[str, Any] = {}
     for ext in extensions:
         options.update(ext.policy_options(args, name))
+    given = getattr(args, "policy_options", {})
+    options.update({k: v for k, v in given.items() if k in policy_option_names(name)})
     policy = make_policy(name, **options)
     return policy, [cb for ext in extensions for cb in ext.replay_callbacks(args, policy)]
+
+
+def policy_option_names(name: str) -> set[str]:
+    """The constructor options a policy takes (by name)."""
+    import inspect
+
+    from sae_env.policies import policy_class
+
+    params = inspect.signature(policy_class(name).__init__).parameters
+    return {k for k, p in params.items() if k != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -271,6 +283,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from sae_env.serving import make_server
 
     names = _policy_list(args.policy)
+    args.policy_options = parse_options(getattr(args, "policy_opt", None), "--policy-opt")
+    for key in args.policy_options:
+        if not any(key in policy_option_names(n) for n in names):
+            takes = sorted(set().union(*(policy_option_names(n) for n in names)))
+            raise UsageError(f"--policy-opt {key}: none of {', '.join(names)} takes it (their options: "
+                             f"{', '.join(takes) or 'none'})")
     _check_outputs(args)
     trace, capacities, distinct = _replay_inputs(args, allow_range=True)
     results = []
@@ -295,6 +313,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
             summary["params"] = policy.params
             summary["decision_us_per_request"] = 1e6 * rep.wall_s / max(len(trace), 1)  # wall clock, not a metric
             summary["method"] = "replay"
+            summary["policy_options"] = {k: v for k, v in args.policy_options.items()
+                                         if k in policy_option_names(name)}
             results.append(summary)
     sweep = len(capacities) > 1
     size = (f"{len(capacities)} capacities from {capacities[0]} to {capacities[-1]} blocks "
@@ -307,6 +327,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for r in results:
         print((str(r["capacity_blocks"]).rjust(10) + "  " if sweep else "") + r["policy"].ljust(14)
               + "".join(" " + _fmt(r[c]) for c in REPLAY_COLUMNS))
+    for name in names:
+        taken = {k: v for k, v in args.policy_options.items() if k in policy_option_names(name)}
+        if taken:
+            print(f"{name} ran with " + ", ".join(f"{k}={v}" for k, v in taken.items()))
     if args.json:
         write_json(args.json, results[0] if len(results) == 1 else results)
         print(f"wrote {args.json}", file=sys.stderr)
@@ -579,6 +603,9 @@ def build_parser(extensions: Sequence[CliExtension] = (), prog: str | None = Non
                    "hash-only traces)")
     r.add_argument("--window", type=int, default=200, help="requests per window; adaptive policies learn after "
                    "each window (default 200)")
+    r.add_argument("--policy-opt", action="append", metavar="KEY=VALUE", help="a constructor option of the policies "
+                   "that take it (repeatable; YAML value), e.g. --policy-opt continuation=false to replay SAECache "
+                   "without its continuation model; an option no listed policy takes is an error")
     r.add_argument("--json", help="write the summary as JSON")
     r.add_argument("--progress", action="store_true", help="show a progress bar")
     r.set_defaults(func=cmd_replay)

@@ -49,7 +49,43 @@ def test_replay_with_a_serving_model_reports_ttft(tmp_path):
     assert r["adaptive"] is True and r["requests"] == 1000
 
 
+def test_replay_policy_options_go_to_the_policies_that_take_them(tmp_path, capsys):
+    """--policy-opt reaches the constructor of the listed policies that take it (the same hit rate as
+    make_policy(..., continuation=False) replayed as replay runs it) and no other; the summary records it."""
+    import argparse
+
+    from agents.cli import AgentsExtension
+    from sae_env.cache import PrefixCache, resolve_capacity
+    from sae_env.metrics import summarize
+    from sae_env.policies import make_policy
+    from sae_env.replay import Replay
+    from sae_env.sources import open_trace
+
+    out = tmp_path / "r.json"
+    assert main(["replay", "--trace", "wildchat", "--policy", "lpc,saecache", "--capacity", "0.05",
+                 "--policy-opt", "continuation=false", "--json", str(out)]) == 0
+    assert "saecache ran with continuation=False" in capsys.readouterr().out
+    lpc, sae = json.loads(out.read_text())
+    assert lpc["policy_options"] == {} and sae["policy_options"] == {"continuation": False}
+    trace, _ = open_trace("wildchat", None, {}, None)
+    capacity = resolve_capacity(0.05, trace.distinct_blocks())
+
+    def rate(**options):
+        policy = make_policy("saecache", **options)
+        callbacks = AgentsExtension().replay_callbacks(argparse.Namespace(fixed=False), policy)
+        rep = Replay(trace, PrefixCache(capacity, policy), None, window_requests=200, callbacks=callbacks)
+        rep.run()
+        return summarize(rep.windows)["token_hit_rate"]
+
+    assert sae["token_hit_rate"] == rate(continuation=False) != rate()
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["replay", "--trace", "bailian", "--policy", "lru,lpc", "--policy-opt", "continuation=false"],
+     "--policy-opt continuation: none of lru, lpc takes it"),
+    (["replay", "--trace", "bailian", "--policy", "saecache", "--policy-opt", "continuation"],
+     "--policy-opt expects KEY=VALUE"),
+    (["replay", "--trace", "bailian", "--policy", "saecache", "--policy-opt", "sample=0"], "sample must be >= 1"),
     (["replay", "--trace", "bailian", "--policy", "nope"], "valid policies: lru"),
     (["replay", "--trace", "bailian", "--capacity", "0"], "capacity"),
     (["replay", "--trace", "bailian", "--capacity", "-3"], "capacity"),
