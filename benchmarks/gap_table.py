@@ -12,7 +12,9 @@ replay loop, which is what ``replay``'s decision_us measures in wall time; CPU t
 ``--seeds`` replays traces whose source draws arrivals or gaps (WildChat's gaps come from our generator) under
 several seeds and adds the mean margin with its 95 % interval per cache size. ``--opt KEY=VALUE`` (repeatable) sets a
 source option, e.g. WildChat's session arrival ``rate``, on the traces whose source takes it (with the seeds); a trace
-whose source does not take every option is replayed once, as shipped.
+whose source does not take every option is replayed once, as shipped. ``--variant NAME:KEY=VALUE,...`` adds a column:
+SAECache (or ``policy=P``) built with those constructor options (a switch flipped, ``refit_steps``), checked by
+``--criteria`` like SAECache itself.
 
     python benchmarks/gap_table.py [--traces wildchat,taubench] [--capacities 0.05,0.1,0.2]
                                    [--policies lru,lpc,saecache,reuse-oracle,session-oracle,belady] [--json FILE]
@@ -21,6 +23,8 @@ whose source does not take every option is replayed once, as shipped.
         --criteria --seeds 0,1,2,3,4
     python benchmarks/gap_table.py --traces wildchat --capacities 0.05,0.1,0.2 --policies lru,lpc,saecache,belady \
         --criteria --seeds 0,1,2,3,4 --opt rate=0.1
+    python benchmarks/gap_table.py --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady --criteria \
+        --variant one-step:refit_steps=1 --variant no-features:continuation_features=false
 """
 
 from __future__ import annotations
@@ -50,9 +54,11 @@ def hit_rate(trace: Any, name: str, capacity: int, window: int) -> float:
     return replay_cell(trace, name, capacity, window)[0]
 
 
-def replay_cell(trace: Any, name: str, capacity: int, window: int) -> tuple[float, float]:
-    """(token hit rate, CPU seconds of the replay loop) of ``name`` as ``train.py replay`` runs it."""
-    policy = make_policy(name)
+def replay_cell(trace: Any, name: str, capacity: int, window: int,
+                options: dict[str, Any] | None = None) -> tuple[float, float]:
+    """(token hit rate, CPU seconds of the replay loop) of ``name`` (built with ``options``) as ``train.py replay``
+    runs it."""
+    policy = make_policy(name, **(options or {}))
     callbacks = AgentsExtension().replay_callbacks(argparse.Namespace(fixed=False), policy)
     rep = Replay(trace, PrefixCache(capacity, policy), None, window_requests=window, callbacks=callbacks)
     start = time.process_time()
@@ -60,46 +66,71 @@ def replay_cell(trace: Any, name: str, capacity: int, window: int) -> tuple[floa
     return summarize(rep.windows)["token_hit_rate"], time.process_time() - start
 
 
-def margin(rate: dict[str, float]) -> float:
-    """SAECache's token hit rate minus the stronger of LRU and LPC, in points."""
-    return 100.0 * (rate["saecache"] - max(rate["lru"], rate["lpc"]))
+def margin(rate: dict[str, float], who: str = "saecache") -> float:
+    """SAECache's (or a variant's) token hit rate minus the stronger of LRU and LPC, in points."""
+    return 100.0 * (rate[who] - max(rate["lru"], rate["lpc"]))
 
 
-def print_criteria(rows: list[dict[str, Any]], cpu: dict[str, dict[str, float]], where: str = "as shipped") -> None:
-    """The checks of ``--criteria`` over the rows of seed 0 (the embedded traces as shipped, or under ``where``)."""
+def print_criteria(rows: list[dict[str, Any]], cpu: dict[str, dict[str, float]], where: str = "as shipped",
+                   who: str = "saecache") -> None:
+    """The checks of ``--criteria`` over the rows of seed 0 (the embedded traces as shipped, or under ``where``),
+    for SAECache or a ``--variant``."""
     base = [r for r in rows if r.get("seed") in (None, 0)]
-    worst = min(base, key=lambda r: margin(r["token_hit_rate"]))
-    below = [r for r in base if margin(r["token_hit_rate"]) < -0.2]
+    worst = min(base, key=lambda r: margin(r["token_hit_rate"], who))
+    below = [r for r in base if margin(r["token_hit_rate"], who) < -0.2]
     wide = [r for r in base if 100 * (r["token_hit_rate"]["belady"] - r["token_hit_rate"]["lru"]) > 5]
-    print(f"\nSAECache minus max(LRU, LPC), points, on the traces {where} (seed 0):")
-    print(f"- every cell >= -0.2: {'yes' if not below else 'no'} (worst {margin(worst['token_hit_rate']):+.2f} on "
-          f"{worst['trace']} at {worst['capacity']:.0%}; below -0.2: "
-          + (", ".join(f"{r['trace']} {r['capacity']:.0%} {margin(r['token_hit_rate']):+.2f}" for r in below)
+    print(f"\n{'SAECache' if who == 'saecache' else who} minus max(LRU, LPC), points, on the traces {where} (seed 0):")
+    print(f"- every cell >= -0.2: {'yes' if not below else 'no'} (worst {margin(worst['token_hit_rate'], who):+.2f} "
+          f"on {worst['trace']} at {worst['capacity']:.0%}; below -0.2: "
+          + (", ".join(f"{r['trace']} {r['capacity']:.0%} {margin(r['token_hit_rate'], who):+.2f}" for r in below)
              or "none") + ")")
     if wide:
-        mean = sum(margin(r["token_hit_rate"]) for r in wide) / len(wide)
+        mean = sum(margin(r["token_hit_rate"], who) for r in wide) / len(wide)
         print(f"- mean over the {len(wide)} cells where Belady - LRU > 5 points (the traces {where}, seed 0): "
               f"{mean:+.2f} (needs >= +1.00)")
     for r in base:
         if r["trace"] == "wildchat" and abs(r["capacity"] - 0.05) < 1e-9:
             print(f"- share of the LRU-to-Belady gap closed on wildchat at 5 %: "
-                  f"{100 * r['gap_share']['saecache']:.1f} % (LPC: {100 * r['gap_share']['lpc']:.1f} %)")
-    print("- decision time per request, CPU (saecache / lpc): " + ", ".join(
-        f"{t} {1e6 * c['saecache'] / c['requests']:.0f} / {1e6 * c['lpc'] / c['requests']:.0f} us = "
-        f"{c['saecache'] / c['lpc']:.2f}x" for t, c in cpu.items()))
+                  f"{100 * r['gap_share'][who]:.1f} % (LPC: {100 * r['gap_share']['lpc']:.1f} %)")
+    print(f"- decision time per request, CPU ({who} / lpc): " + ", ".join(
+        f"{t} {1e6 * c[who] / c['requests']:.0f} / {1e6 * c['lpc'] / c['requests']:.0f} us = "
+        f"{c[who] / c['lpc']:.2f}x" for t, c in cpu.items()))
 
 
-def print_seed_summary(rows: list[dict[str, Any]]) -> None:
+def print_seed_summary(rows: list[dict[str, Any]], who: str = "saecache") -> None:
     """Per trace and capacity over several seeds: the mean margin and its 95 % interval."""
     from sae_env.intervals import mean_interval
 
     keys = sorted({(r["trace"], r["capacity"]) for r in rows if r.get("seed") is not None})
-    print("\nOver seeds, SAECache minus max(LRU, LPC), points (mean [95 % interval], min):")
+    label = "SAECache" if who == "saecache" else who
+    print(f"\nOver seeds, {label} minus max(LRU, LPC), points (mean [95 % interval], min):")
     for trace, cap in keys:
-        m = [margin(r["token_hit_rate"]) for r in rows if (r["trace"], r["capacity"]) == (trace, cap)]
+        m = [margin(r["token_hit_rate"], who) for r in rows if (r["trace"], r["capacity"]) == (trace, cap)]
         iv = mean_interval(m)
         ci = "" if iv.half is None else f" [{iv.low:+.2f}, {iv.high:+.2f}]"
         print(f"- {trace} {cap:.0%}: {iv.mean:+.2f}{ci}, min {min(m):+.2f} over {len(m)} seeds")
+
+
+def parse_variants(specs: list[str] | None, policies: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """``["fast:refit_steps=1"]`` -> ``{"fast": ("saecache", {"refit_steps": 1})}``; each is built once here, so
+    that a bad option stops the run before any replay (ValueError naming the variant)."""
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    for spec in specs or []:
+        name, sep, rest = spec.partition(":")
+        name = name.strip()
+        if not sep or not name or "|" in name or name in policies or name in out:
+            raise UsageError(f"--variant expects a new column name, a colon and KEY=VALUE pairs (e.g. fast:refit_steps"
+                             f"=1), got {spec!r}")
+        options = parse_options([x for x in rest.split(",") if x.strip()], f"--variant {name}")
+        policy = str(options.pop("policy", "saecache"))
+        if policy not in policy_names():
+            raise UsageError(f"--variant {name}: unknown policy {policy!r}")
+        try:
+            make_policy(policy, **options)
+        except ValueError as e:
+            raise UsageError(f"--variant {name}: {e}") from None
+        out[name] = (policy, options)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,13 +146,17 @@ def main(argv: list[str] | None = None) -> int:
                    "seeds (others once)")
     p.add_argument("--opt", action="append", metavar="KEY=VALUE", help="a source option (repeatable; YAML value), "
                    "e.g. --opt rate=0.1, for the traces whose source takes it (the others once, as shipped)")
+    p.add_argument("--variant", action="append", metavar="NAME:KEY=VALUE,...", help="one more column: saecache (or "
+                   "policy=P) built with these constructor options, e.g. --variant no-features:continuation_features="
+                   "false or --variant fast-refit:refit_steps=1 (repeatable; --criteria checks it too)")
     args = p.parse_args(argv)
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     try:
         opts = parse_options(args.opt)
-    except UsageError as e:
+        variants = parse_variants(args.variant, policies)
+    except (UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     bad = [x for x in policies if x not in policy_names()] + [x for x in ("lru", "belady") if x not in policies]
     if bad:
         print(f"error: --policies: unknown or missing {bad} (lru and belady are the ends of the gap)", file=sys.stderr)
@@ -142,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = []
     cpu: dict[str, dict[str, float]] = {}
-    header = ["| trace | capacity | gap (pp) | " + " | ".join(policies) + (" | margin |" if args.criteria else " |"),
-              "|---|---|---|" + "---|" * (len(policies) + args.criteria)]  # printed before the first row
+    columns = policies + list(variants)
+    header = ["| trace | capacity | gap (pp) | " + " | ".join(columns) + (" | margin |" if args.criteria else " |"),
+              "|---|---|---|" + "---|" * (len(columns) + args.criteria)]  # printed before the first row
     for name in [x.strip() for x in args.traces.split(",") if x.strip()]:
         for seed in (seeds or [None]):
             options = {**opts, **({} if seed is None else {"seed": seed})}
@@ -163,19 +199,21 @@ def main(argv: list[str] | None = None) -> int:
             for f in fractions:
                 capacity = resolve_capacity(f, distinct)
                 cells = {pol: replay_cell(trace, pol, capacity, args.window) for pol in policies}
+                cells.update({name: replay_cell(trace, pol, capacity, args.window, options)
+                              for name, (pol, options) in variants.items()})
                 rate = {pol: c[0] for pol, c in cells.items()}
                 if seed in (None, 0):
-                    c = cpu.setdefault(name, {"saecache": 0.0, "lpc": 0.0, "requests": 0})
+                    c = cpu.setdefault(name, {"requests": 0})
                     if args.criteria:
-                        c["saecache"] += cells["saecache"][1]
-                        c["lpc"] += cells["lpc"][1]
+                        for who in ("saecache", "lpc", *variants):
+                            c[who] = c.get(who, 0.0) + cells[who][1]
                         c["requests"] += len(trace)
-                share = {pol: gap_share(rate[pol], rate["lru"], rate["belady"]) for pol in policies}
+                share = {pol: gap_share(rate[pol], rate["lru"], rate["belady"]) for pol in columns}
                 rows.append({"trace": name, "seed": seed, "options": {k: v for k, v in options.items() if k != "seed"},
                              "capacity": f, "capacity_blocks": capacity,
                              "token_hit_rate": rate, "gap_share": share})
                 out = [f"{100 * rate[pol]:.2f}" + ("" if share[pol] is None else f" ({round(100 * share[pol])} %)")
-                       for pol in policies]
+                       for pol in columns]
                 if args.criteria:
                     out.append(f"{margin(rate):+.2f}")
                 while header:
@@ -185,10 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nToken hit rate % (share of the LRU-to-Belady gap); instant serving, window {args.window}; "
           f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
     if args.criteria:
-        print_criteria(rows, cpu, "as shipped" if not opts else
-                       "with " + ", ".join(f"{k}={v}" for k, v in opts.items()) + " where their source takes it")
+        where = ("as shipped" if not opts else
+                 "with " + ", ".join(f"{k}={v}" for k, v in opts.items()) + " where their source takes it")
+        print_criteria(rows, cpu, where)
+        for name in variants:
+            print_criteria(rows, cpu, where, who=name)
         if seeds:
             print_seed_summary(rows)
+            for name in variants:
+                print_seed_summary(rows, who=name)
     if args.json:
         write_json(args.json, rows)
     return 0

@@ -153,7 +153,8 @@ def test_predictor_is_a_feature_of_first_requests():
 
 
 @pytest.mark.parametrize("kwargs", [{"max_turn": 0}, {"max_turn": 2.5}, {"prior": (1.0, 0.0)},
-                                    {"horizon_sigmas": 0.0}, {"l2": 0.0}])
+                                    {"horizon_sigmas": 0.0}, {"l2": 0.0}, {"steps": 0}, {"steps": 1.5},
+                                    {"steps": True}])
 def test_bad_options(kwargs):
     with pytest.raises(ValueError):
         ContinuationModel(**kwargs)

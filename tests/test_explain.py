@@ -315,6 +315,44 @@ def test_gap_table_source_options(tmp_path):
         assert run.stdout == "", bad
 
 
+def test_gap_table_variants(tmp_path):
+    """--variant adds a column of SAECache built with other options (the same number as make_policy with them,
+    replayed as the table replays) and --criteria checks it; a malformed, duplicate or unknown variant exits with
+    status 2 and one line before any replay."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gap_table.py"
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, str(script), "--traces", "wildchat", "--capacities", "0.05", "--policies",
+                          "lru,lpc,saecache,belady", "--criteria", "--variant", "no-cont:continuation=false",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    (row,) = json.loads(out.read_text())
+    import argparse
+
+    from agents.cli import AgentsExtension
+    from sae_env.metrics import summarize
+    from sae_env.sources import open_trace
+
+    trace, _ = open_trace("wildchat")
+    policy = make_policy("saecache", continuation=False)
+    callbacks = AgentsExtension().replay_callbacks(argparse.Namespace(fixed=False), policy)
+    rep = Replay(trace, PrefixCache(row["capacity_blocks"], policy), None, window_requests=200, callbacks=callbacks)
+    rep.run()
+    assert row["token_hit_rate"]["no-cont"] == summarize(rep.windows)["token_hit_rate"]
+    assert row["token_hit_rate"]["no-cont"] != row["token_hit_rate"]["saecache"]
+    assert "no-cont minus max(LRU, LPC)" in run.stdout and "(no-cont / lpc)" in run.stdout
+    for bad in (["--variant", "no-cont"], ["--variant", "lpc:censoring=false"], ["--variant", "a:bogus=1"],
+                ["--variant", "a:sample=0"], ["--variant", "a:policy=nope"],
+                ["--variant", "a:censoring=false", "--variant", "a:density=false"]):
+        run = subprocess.run([sys.executable, str(script), "--traces", "wildchat", *bad], capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 2 and "--variant" in run.stderr and len(run.stderr.strip().splitlines()) == 1, bad
+        assert run.stdout == "", bad
+
+
 def test_explain_a_trace_file_in_timed_mode(tmp_path, capsys):
     """A trace file (--source, as for replay) with a serving model: the output folder is complete and the default
     folder name comes from the file's name."""

@@ -166,6 +166,18 @@ def test_embedded_real_traces_agree(trace_name):
         assert_same_windows(py, fast)
 
 
+@pytest.mark.parametrize("trace_name", ["wildchat", "mooncake_synthetic", "taubench"])
+def test_one_refit_step_agrees_and_changes_the_fit(trace_name):
+    """refit_steps=1 (one EM and one Newton step per refit): the engines agree, and the model's fit is not the
+    default's (the option reaches the refit)."""
+    trace = real(trace_name, 600)
+    capacity = max(1, int(0.05 * trace.distinct_blocks()))
+    py, fast = both(trace, capacity, options={"refit_steps": 1}, window_requests=200)
+    assert_same_windows(py, fast)
+    default, _ = both(trace, capacity, window_requests=200)
+    assert not np.array_equal(py.policy.arrivals.model.beta, default.policy.arrivals.model.beta)
+
+
 @pytest.mark.parametrize("policy", ["saecache", "saecache-paper"])
 @pytest.mark.parametrize("trace_name", ["wildchat", "mooncake_arxiv", "taubench", "real_templated"])
 def test_embedded_real_traces_agree_timed(trace_name, policy):

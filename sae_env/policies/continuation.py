@@ -43,8 +43,6 @@ from sae_env.trace import N_TOKEN_TYPES, AppType, TokenType, Trace
 __all__ = ["P_CLIP", "ContinuationModel"]
 
 _N_FEATURES = 9
-_EM_STEPS = 3
-_NEWTON_STEPS = 3
 P_CLIP = 1e-3  # probabilities are clipped to [P_CLIP, 1 - P_CLIP] before a logit
 _ROW_CACHE = 1 << 14  # feature rows kept (1.2 MB): more than the refits' labelled buffer and block of rows ask for
 
@@ -65,12 +63,15 @@ class ContinuationModel:
         horizon_sigmas: a session idle longer than ``exp(mu + horizon_sigmas * sigma)`` is taken as ended.
         l2: L2 penalty of the logistic correction (per coefficient).
         buffer: labelled requests (the most recent) the correction is fitted on.
+        steps: EM steps (rates and soft labels) and Newton steps (correction) per refit, each refit starting from the
+            previous one's rates and ``beta``: with few new labels between refits, fewer steps track the same fit
+            at less cost (1: an online EM / Newton method).
         predictor: optional ``f(trace, i) -> (p_chat, p_agent)`` for first requests, used as a feature.
     """
 
     def __init__(self, *, features: bool = True, censoring: bool = True, max_turn: int = 8,
                  prior: tuple[float, float] = (1.0, 1.0), horizon_sigmas: float = 3.0, l2: float = 1.0,
-                 buffer: int = 4096,
+                 buffer: int = 4096, steps: int = 3,
                  predictor: Callable[[Trace, int], Sequence[float]] | None = None):
         if isinstance(max_turn, bool) or not isinstance(max_turn, int) or max_turn < 1:
             raise ValueError(f"continuation: max_turn must be an integer >= 1, got {max_turn!r}")
@@ -80,6 +81,8 @@ class ContinuationModel:
             raise ValueError(f"continuation: horizon_sigmas must be positive, got {horizon_sigmas!r}")
         if not l2 > 0:
             raise ValueError(f"continuation: l2 must be positive, got {l2!r}")
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
+            raise ValueError(f"continuation: steps must be an integer in [1, 100], got {steps!r}")
         self.features = bool(features)
         self.censoring = bool(censoring)
         self.max_turn = max_turn
@@ -87,6 +90,7 @@ class ContinuationModel:
         self.horizon_sigmas = float(horizon_sigmas)
         self.l2 = float(l2)
         self.buffer = int(buffer)
+        self.steps = steps
         self.predictor = predictor
         self.beta = np.zeros(_N_FEATURES)
         k = max_turn + 1
@@ -200,7 +204,7 @@ class ContinuationModel:
         nothing yet: a copy to :meth:`import_state` into without computing the features again."""
         m = ContinuationModel(features=self.features, censoring=self.censoring, max_turn=self.max_turn,
                               prior=self.prior, horizon_sigmas=self.horizon_sigmas, l2=self.l2, buffer=self.buffer,
-                              predictor=self.predictor)
+                              steps=self.steps, predictor=self.predictor)
         if self._trace is not None:
             for name in ("_trace", "_session", "_bucket", "_bucket_a", "_agent_a", "_prev", "_type_counts",
                          "_first_logit"):
@@ -328,7 +332,7 @@ class ContinuationModel:
         cont, ended = np.asarray(self._continued), np.asarray(self._ended)
         soft = np.zeros(pend.size)
         rates = np.array(self._rates)
-        for _ in range(_EM_STEPS if self.censoring else 0):
+        for _ in range(self.steps if self.censoring else 0):
             r = rates[bucket]
             soft = r * surv / np.maximum(1.0 - r + r * surv, 1e-300)
             alive = np.bincount(bucket, weights=soft, minlength=k)
@@ -351,7 +355,7 @@ class ContinuationModel:
         r = np.clip(np.array(self._rates)[self._bucket_a[idx]], P_CLIP, 1.0 - P_CLIP)
         offset = np.log(r / (1.0 - r))
         beta = self.beta
-        for _ in range(_NEWTON_STEPS):
+        for _ in range(self.steps):
             p = 1.0 / (1.0 + np.exp(-np.clip(offset + z @ beta, -700, 700)))
             if pend.size and self.censoring:  # soft labels: the posterior that the pending session is alive
                 pp = p[n_lab:]
