@@ -66,6 +66,10 @@ def replay_cell(trace: Any, name: str, capacity: int, window: int,
     return summarize(rep.windows)["token_hit_rate"], time.process_time() - start
 
 
+def _label(who: str) -> str:
+    return "SAECache" if who == "saecache" else who
+
+
 def margin(rate: dict[str, float], who: str = "saecache") -> float:
     """SAECache's (or a variant's) token hit rate minus the stronger of LRU and LPC, in points."""
     return 100.0 * (rate[who] - max(rate["lru"], rate["lpc"]))
@@ -79,7 +83,7 @@ def print_criteria(rows: list[dict[str, Any]], cpu: dict[str, dict[str, float]],
     worst = min(base, key=lambda r: margin(r["token_hit_rate"], who))
     below = [r for r in base if margin(r["token_hit_rate"], who) < -0.2]
     wide = [r for r in base if 100 * (r["token_hit_rate"]["belady"] - r["token_hit_rate"]["lru"]) > 5]
-    print(f"\n{'SAECache' if who == 'saecache' else who} minus max(LRU, LPC), points, on the traces {where} (seed 0):")
+    print(f"\n{_label(who)} minus max(LRU, LPC), points, on the traces {where} (seed 0):")
     print(f"- every cell >= -0.2: {'yes' if not below else 'no'} (worst {margin(worst['token_hit_rate'], who):+.2f} "
           f"on {worst['trace']} at {worst['capacity']:.0%}; below -0.2: "
           + (", ".join(f"{r['trace']} {r['capacity']:.0%} {margin(r['token_hit_rate'], who):+.2f}" for r in below)
@@ -102,8 +106,7 @@ def print_seed_summary(rows: list[dict[str, Any]], who: str = "saecache") -> Non
     from sae_env.intervals import mean_interval
 
     keys = sorted({(r["trace"], r["capacity"]) for r in rows if r.get("seed") is not None})
-    label = "SAECache" if who == "saecache" else who
-    print(f"\nOver seeds, {label} minus max(LRU, LPC), points (mean [95 % interval], min):")
+    print(f"\nOver seeds, {_label(who)} minus max(LRU, LPC), points (mean [95 % interval], min):")
     for trace, cap in keys:
         m = [margin(r["token_hit_rate"], who) for r in rows if (r["trace"], r["capacity"]) == (trace, cap)]
         iv = mean_interval(m)
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = parse_options(args.opt)
         variants = parse_variants(args.variant, policies)
-    except (UsageError, ValueError) as e:
+    except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     bad = [x for x in policies if x not in policy_names()] + [x for x in ("lru", "belady") if x not in policies]
@@ -199,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             for f in fractions:
                 capacity = resolve_capacity(f, distinct)
                 cells = {pol: replay_cell(trace, pol, capacity, args.window) for pol in policies}
-                cells.update({name: replay_cell(trace, pol, capacity, args.window, options)
-                              for name, (pol, options) in variants.items()})
+                cells.update({column: replay_cell(trace, policy, capacity, args.window, built_with)
+                              for column, (policy, built_with) in variants.items()})
                 rate = {pol: c[0] for pol, c in cells.items()}
                 if seed in (None, 0):
                     c = cpu.setdefault(name, {"requests": 0})
@@ -226,12 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         where = ("as shipped" if not opts else
                  "with " + ", ".join(f"{k}={v}" for k, v in opts.items()) + " where their source takes it")
         print_criteria(rows, cpu, where)
-        for name in variants:
-            print_criteria(rows, cpu, where, who=name)
+        for column in variants:
+            print_criteria(rows, cpu, where, who=column)
         if seeds:
             print_seed_summary(rows)
-            for name in variants:
-                print_seed_summary(rows, who=name)
+            for column in variants:
+                print_seed_summary(rows, who=column)
     if args.json:
         write_json(args.json, rows)
     return 0

@@ -260,8 +260,7 @@ def _build_policy(args: argparse.Namespace, name: str) -> tuple[Any, list]:
     options: dict[str, Any] = {}
     for ext in extensions:
         options.update(ext.policy_options(args, name))
-    given = getattr(args, "policy_options", {})
-    options.update({k: v for k, v in given.items() if k in policy_option_names(name)})
+    options.update(_given_options(args, name))
     policy = make_policy(name, **options)
     return policy, [cb for ext in extensions for cb in ext.replay_callbacks(args, policy)]
 
@@ -274,6 +273,12 @@ def policy_option_names(name: str) -> set[str]:
 
     params = inspect.signature(policy_class(name).__init__).parameters
     return {k for k, p in params.items() if k != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+def _given_options(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """The ``--policy-opt`` options that policy ``name`` takes (none for commands without the flag)."""
+    names = policy_option_names(name)
+    return {k: v for k, v in getattr(args, "policy_options", {}).items() if k in names}
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -313,8 +318,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             summary["params"] = policy.params
             summary["decision_us_per_request"] = 1e6 * rep.wall_s / max(len(trace), 1)  # wall clock, not a metric
             summary["method"] = "replay"
-            summary["policy_options"] = {k: v for k, v in args.policy_options.items()
-                                         if k in policy_option_names(name)}
+            summary["policy_options"] = _given_options(args, name)
             results.append(summary)
     sweep = len(capacities) > 1
     size = (f"{len(capacities)} capacities from {capacities[0]} to {capacities[-1]} blocks "
@@ -328,7 +332,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print((str(r["capacity_blocks"]).rjust(10) + "  " if sweep else "") + r["policy"].ljust(14)
               + "".join(" " + _fmt(r[c]) for c in REPLAY_COLUMNS))
     for name in names:
-        taken = {k: v for k, v in args.policy_options.items() if k in policy_option_names(name)}
+        taken = _given_options(args, name)
         if taken:
             print(f"{name} ran with " + ", ".join(f"{k}={v}" for k, v in taken.items()))
     if args.json:

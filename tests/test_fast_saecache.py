@@ -174,7 +174,8 @@ def test_one_refit_step_agrees_and_changes_the_fit(trace_name):
     capacity = max(1, int(0.05 * trace.distinct_blocks()))
     py, fast = both(trace, capacity, options={"refit_steps": 1}, window_requests=200)
     assert_same_windows(py, fast)
-    default, _ = both(trace, capacity, window_requests=200)
+    default = Replay(trace, PrefixCache(capacity, make_policy("saecache")), engine="python", window_requests=200)
+    default.run()
     assert not np.array_equal(py.policy.arrivals.model.beta, default.policy.arrivals.model.beta)
 
 

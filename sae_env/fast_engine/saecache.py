@@ -695,10 +695,9 @@ class SAECacheTwin(Twin):
 
     def params_changed(self) -> None:
         self._constants()
-        # _changed's two stores, here rather than through the kernel: an inlined kernel called from Python is
-        # compiled afresh in every process (0.2 s; numba's cache keeps only the functions it is asked to cache)
-        self.state.si[EPOCH] += 1
-        self.state.si[CAND_OK] = 0
+        # as Python: an inlined kernel called from Python is compiled afresh in every process (0.2 s; numba's
+        # cache keeps only the functions it is asked to cache)
+        _changed.py_func(self.state)
 
     def window_stats(self) -> dict[str, Any]:
         ps = self.state
