@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sae_env.policies.continuation import ContinuationModel
+from sae_env.policies.continuation import MAX_REFIT_GAP, ContinuationModel
 from sae_env.policies.survival import LognormalGaps
 from sae_env.trace import AppType, TokenType, Trace, TraceBuilder
 
@@ -89,13 +89,69 @@ def test_censoring_correction_beats_counting_pending_as_ended():
     assert model.rates[1] == pytest.approx(TRUE_P[1], abs=0.1)
 
 
+@pytest.mark.parametrize("growth", [0.0, 0.5])
 @pytest.mark.parametrize("features", [False, True])
-def test_never_reads_the_future(features):
+def test_never_reads_the_future(features, growth):
     trace = sessions_trace(150, seed=3)
-    full = replay_model(trace, ContinuationModel(features=features))
+    full = replay_model(trace, ContinuationModel(features=features, refit_growth=growth), window=10)
     for k in (1, 37, 50, 101, len(trace) // 2, len(trace) - 1):
         cut = trace.take(np.arange(k))
-        assert replay_model(cut, ContinuationModel(features=features)) == full[:k], k
+        assert replay_model(cut, ContinuationModel(features=features, refit_growth=growth), window=10) == full[:k], k
+
+
+def refit_offers(model: ContinuationModel, offers: int) -> list[int]:
+    """Offer ``offers`` updates: the offers (counted from the model's first) at which it refits."""
+    return [model._offers for _ in range(offers) if model.update_due()]
+
+
+def test_refit_schedule():
+    """refit_growth=g: refit at an offer once the offers have grown by g since the last refit, at least every
+    offer and at most MAX_REFIT_GAP apart; 0 refits at every offer."""
+    assert refit_offers(ContinuationModel(), 50) == list(range(1, 51))
+    assert refit_offers(ContinuationModel(refit_growth=0.5), 30) == [1, 2, 3, 4, 6, 9, 13, 19, 28]
+    assert refit_offers(ContinuationModel(refit_growth=1.0), 40) == [1, 2, 4, 8, 16, 32]
+    late = refit_offers(ContinuationModel(refit_growth=0.5), 500)
+    assert np.all(np.diff(late) <= MAX_REFIT_GAP) and np.all(np.diff(late)[-10:] == MAX_REFIT_GAP)
+
+
+def test_refit_schedule_survives_export_and_import():
+    trace = sessions_trace(20, seed=7)
+    model = ContinuationModel(refit_growth=0.5)
+    model.bind(trace)
+    for i in range(len(trace)):
+        model.arrive(i, float(trace.t[i]))
+    assert refit_offers(model, 5) == [1, 2, 3, 4]
+    copy = model.fresh()
+    copy.import_state(model.export_state())
+    assert refit_offers(copy, 25) == refit_offers(model, 25) == [6, 9, 13, 19, 28]
+
+
+def test_between_refits_only_the_counts_move():
+    """An offer that is not due changes nothing; the arrivals still move the counts (and so the rates), and the
+    next due offer refits: the soft weights, the horizon's labels and beta."""
+    trace = sessions_trace(120, seed=6)
+    gaps = (LognormalGaps(MU, SIGMA),) * 2
+    model = ContinuationModel(refit_growth=1.0)
+    model.bind(trace)
+    due = set(refit_offers(ContinuationModel(refit_growth=1.0), len(trace)))  # 1, 2, 4, 8, 16, 32, 48, ...
+    stamp = None
+    for i in range(len(trace)):
+        model.arrive(i, float(trace.t[i]))
+        if i % 10 == 9:
+            state = model.export_state()
+            model.update(float(trace.t[i]), gaps)
+            after = model.export_state()
+            offer = model._offers
+            if offer in due:
+                assert any(not np.array_equal(state[k], after[k]) for k in ("beta", "pending_w", "rates")), offer
+            else:
+                for k in ("beta", "pending", "pending_w", "labelled", "rates", "alive"):
+                    np.testing.assert_array_equal(state[k], after[k])
+                if stamp is not None:
+                    assert not np.array_equal(stamp, after["continued"]) or not np.array_equal(
+                        stamp_pending, after["pending"])
+            stamp, stamp_pending = after["continued"], after["pending"]
+    assert model._offers == len(trace) // 10
 
 
 def test_features_of_a_request_ignore_later_requests():
@@ -154,7 +210,8 @@ def test_predictor_is_a_feature_of_first_requests():
 
 @pytest.mark.parametrize("kwargs", [{"max_turn": 0}, {"max_turn": 2.5}, {"prior": (1.0, 0.0)},
                                     {"horizon_sigmas": 0.0}, {"l2": 0.0}, {"steps": 0}, {"steps": 1.5},
-                                    {"steps": True}])
+                                    {"steps": True}, {"refit_growth": -0.1}, {"refit_growth": True},
+                                    {"refit_growth": float("nan")}, {"refit_growth": "0.5"}])
 def test_bad_options(kwargs):
     with pytest.raises(ValueError):
         ContinuationModel(**kwargs)

@@ -359,6 +359,9 @@ class CompiledArrivals:
     def _refit(self, now: float) -> None:
         """ContinuationModel.update, on the pending arrays (the model's update_pending)."""
         st, model = self.state, self.arrivals.model
+        st.ai[REFIT_DONE] = 1
+        if not model.update_due():
+            return
         self._counts_to_model()
         pend, t_pend, w_pend = self._pending()
         keep, soft = model.update_pending(now, self.arrivals.gaps, pend, t_pend, w_pend)
@@ -371,7 +374,6 @@ class CompiledArrivals:
         st.ai[LAB_N] = lab_n
         if model.zb_block_start < 0:  # the fit moved beta: p asks for a new block
             st.ai[ZB_LEN] = 0
-        st.ai[REFIT_DONE] = 1
 
     def reset_window(self) -> None:
         self.state.gap[:] = 0.0

@@ -68,13 +68,14 @@ class Arrivals:
 
     def __init__(self, *, multi_queue: bool = True, continuation: bool = True, density: bool = True,
                  continuation_features: bool = True, censoring: bool = True, pe_routing: bool = False,
-                 continue_threshold: float = 0.5, refit_steps: int = 3, predictor: Predictor | None = None) -> None:
+                 continue_threshold: float = 0.5, refit_steps: int = 3, refit_growth: float = 0.0,
+                 predictor: Predictor | None = None) -> None:
         self.multi_queue, self.continuation, self.density = bool(multi_queue), bool(continuation), bool(density)
         self.pe_routing = bool(pe_routing)
         self.continue_threshold = continue_threshold
         self.predictor = predictor
         self.model = (ContinuationModel(features=continuation_features, censoring=censoring, steps=refit_steps,
-                                        predictor=predictor) if continuation else None)
+                                        refit_growth=refit_growth, predictor=predictor) if continuation else None)
         self.gaps: tuple[LognormalGaps, LognormalGaps] | None = None
         self.trace: Trace | None = None  # the trace whose per-request facts are cached (see bind)
         self.arrivals = 0

@@ -26,6 +26,16 @@ predictor is given, its logit for first requests (the pre-trained predictor as a
 
 The horizon is ``exp(mu + horizon_sigmas * sigma)`` of the queue's gap distribution: a session idle that long is
 taken as ended (with ``horizon_sigmas = 3``, 0.13 % of log-normal gaps are longer).
+
+Refit schedule. The policy offers an update every few dozen arrivals; a refit costs time in proportion to the
+requests it rests on (the labelled buffer and the pending requests), which grow with the replay, so refitting at
+every offer costs time quadratic in the trace's length until the buffer is full. With ``refit_growth = g`` the
+model refits only once the offers (the arrivals) have grown by the fraction ``g`` since its last refit (at every
+offer while they are few, at most ``MAX_REFIT_GAP`` offers apart). The refits' total work is then a geometric series:
+about ``1 + 1/g`` refits on everything seen (3 at ``g = 0.5``), and the last refit always rested on at
+least ``1 / (1 + g)`` of the arrivals so far (two thirds). Between refits the counts still move at every arrival (a
+new request is pending, a returning session labels its previous request continued), so the per-turn rates do; what
+waits for the next refit is the pending requests' soft weights, the horizon's "ended" labels and ``beta``.
 """
 
 from __future__ import annotations
@@ -40,10 +50,13 @@ from sae_env.policies.base import request_array
 from sae_env.policies.survival import LognormalGaps
 from sae_env.trace import N_TOKEN_TYPES, AppType, TokenType, Trace
 
-__all__ = ["P_CLIP", "ContinuationModel"]
+__all__ = ["MAX_REFIT_GAP", "P_CLIP", "ContinuationModel"]
 
 _N_FEATURES = 9
 P_CLIP = 1e-3  # probabilities are clipped to [P_CLIP, 1 - P_CLIP] before a logit
+# Most update offers between two refits under ``refit_growth``: SAECache offers one every 64 arrivals, so at most 1024
+# arrivals apart, a quarter of the labelled buffer (4096): the fit's data never turns over by more than a quarter.
+MAX_REFIT_GAP = 16
 _ROW_CACHE = 1 << 14  # feature rows kept (1.2 MB): more than the refits' labelled buffer and block of rows ask for
 
 
@@ -66,12 +79,14 @@ class ContinuationModel:
         steps: EM steps (rates and soft labels) and Newton steps (correction) per refit, each refit starting from the
             previous one's rates and ``beta``: with few new labels between refits, fewer steps track the same fit
             at less cost (1: an online EM / Newton method).
+        refit_growth: refit at an :meth:`update` offer only once the offers (the arrivals) have grown by this
+            fraction since the last refit (module docstring; 0: at every offer).
         predictor: optional ``f(trace, i) -> (p_chat, p_agent)`` for first requests, used as a feature.
     """
 
     def __init__(self, *, features: bool = True, censoring: bool = True, max_turn: int = 8,
                  prior: tuple[float, float] = (1.0, 1.0), horizon_sigmas: float = 3.0, l2: float = 1.0,
-                 buffer: int = 4096, steps: int = 3,
+                 buffer: int = 4096, steps: int = 3, refit_growth: float = 0.0,
                  predictor: Callable[[Trace, int], Sequence[float]] | None = None):
         if isinstance(max_turn, bool) or not isinstance(max_turn, int) or max_turn < 1:
             raise ValueError(f"continuation: max_turn must be an integer >= 1, got {max_turn!r}")
@@ -83,6 +98,8 @@ class ContinuationModel:
             raise ValueError(f"continuation: l2 must be positive, got {l2!r}")
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
             raise ValueError(f"continuation: steps must be an integer in [1, 100], got {steps!r}")
+        if isinstance(refit_growth, bool) or not (isinstance(refit_growth, (int, float)) and 0 <= refit_growth <= 10):
+            raise ValueError(f"continuation: refit_growth must be a number in [0, 10], got {refit_growth!r}")
         self.features = bool(features)
         self.censoring = bool(censoring)
         self.max_turn = max_turn
@@ -91,6 +108,7 @@ class ContinuationModel:
         self.l2 = float(l2)
         self.buffer = int(buffer)
         self.steps = steps
+        self.refit_growth = float(refit_growth)
         self.predictor = predictor
         self.beta = np.zeros(_N_FEATURES)
         k = max_turn + 1
@@ -110,6 +128,8 @@ class ContinuationModel:
         self._lab_i = np.zeros(2 * self.buffer + 1, dtype=np.int64)
         self._lab_y = np.zeros(2 * self.buffer + 1)
         self._lab_n = 0
+        self._offers = 0  # update offers so far (see update_due)
+        self._next_refit = 1  # the offer at which the model refits next
         self._trace: Trace | None = None
 
     # -- features ----------------------------------------------------------------------------------------------
@@ -204,7 +224,7 @@ class ContinuationModel:
         nothing yet: a copy to :meth:`import_state` into without computing the features again."""
         m = ContinuationModel(features=self.features, censoring=self.censoring, max_turn=self.max_turn,
                               prior=self.prior, horizon_sigmas=self.horizon_sigmas, l2=self.l2, buffer=self.buffer,
-                              steps=self.steps, predictor=self.predictor)
+                              steps=self.steps, refit_growth=self.refit_growth, predictor=self.predictor)
         if self._trace is not None:
             for name in ("_trace", "_session", "_bucket", "_bucket_a", "_agent_a", "_prev", "_type_counts",
                          "_first_logit"):
@@ -298,10 +318,22 @@ class ContinuationModel:
             n = self.buffer
         self._lab_n = n
 
+    def update_due(self) -> bool:
+        """An update is offered (the policy's every ``REFIT_EVERY`` arrivals): counts the offer and says whether the
+        model refits at it (:meth:`update_pending`), by the schedule of ``refit_growth`` (module docstring)."""
+        self._offers += 1
+        if self._offers < self._next_refit:
+            return False
+        self._next_refit = self._offers + max(1, min(MAX_REFIT_GAP, int(self._offers * self.refit_growth)))
+        return True
+
     def update(self, now: float, gaps: Sequence[LognormalGaps]) -> None:
-        """Label sessions idle past the horizon as ended, then refit the rates and the correction.
+        """An update offer: when due (:meth:`update_due`), label sessions idle past the horizon as ended, then refit
+        the rates and the correction.
 
         ``gaps[q]`` is the gap distribution of queue ``q`` (0: chat, 1: agent)."""
+        if not self.update_due():
+            return
         pend_t, pend_w = self._pend_t, self._pend_w
         n = len(pend_t)
         pend = np.fromiter(pend_t.keys(), dtype=np.int64, count=n)
@@ -401,7 +433,8 @@ class ContinuationModel:
     def update_pending(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray,
                        w_pend: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`update` for a caller that keeps the pending requests ``pend`` (arrived at ``t_pend``, soft weights
-        ``w_pend``, in arrival order) itself: returns which stay pending and their new soft weights."""
+        ``w_pend``, in arrival order) itself, once :meth:`update_due` said so: returns which stay pending and their
+        new soft weights."""
         over = self.expired(now, gaps, pend, t_pend)
         for i, w in zip(pend[over].tolist(), w_pend[over].tolist(), strict=True):  # ended, in arrival order
             self._unpend(i, w)
@@ -421,7 +454,7 @@ class ContinuationModel:
                 "last_requests": np.fromiter(self._last_of.values(), dtype=np.int64, count=len(self._last_of)),
                 "labelled": self._lab_i[:self._lab_n].copy(), "labels": self._lab_y[:self._lab_n].copy(),
                 # p() reads z @ beta computed over a block of rows from here: the same block, the same floats
-                "zb_from": self.zb_block_start}
+                "zb_from": self.zb_block_start, "offers": self._offers, "next_refit": self._next_refit}
 
     def import_state(self, state: dict[str, object]) -> None:
         """Take back an exported state; :meth:`bind` must have been called with the same trace."""
@@ -438,6 +471,7 @@ class ContinuationModel:
         self._lab_i = np.zeros(max(2 * self.buffer, lab_i.size) + 1, dtype=np.int64)
         self._lab_y = np.zeros(self._lab_i.size)
         self._lab_i[:lab_i.size], self._lab_y[:lab_y.size] = lab_i, lab_y
+        self._offers, self._next_refit = int(state["offers"]), int(state["next_refit"])
         zb_from = int(state["zb_from"])
         self._zb, self._zb_from = None, 0
         if zb_from >= 0:

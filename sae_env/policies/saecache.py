@@ -60,7 +60,9 @@ as ended, as LPC counts), ``pe_routing`` (on: requests with p below ``continue_t
 ``position_decay`` (off: no offset term), ``multi_queue`` (off: one temporal queue, no PE priority), ``predictor``
 (the paper's ranking: off routes first requests by rule only; under the continuation model a predictor is one of
 its features). With every switch off the policy evicts in LRU order (a test checks it against ``lru``). Not a
-switch but a cost knob: ``refit_steps`` (3), the continuation model's EM and Newton steps per refit.
+switch but cost knobs: ``refit_steps`` (3), the continuation model's EM and Newton steps per refit, and
+``refit_growth`` (0: the model refits at every ``REFIT_EVERY`` arrivals; 0.5: once the arrivals have grown by half
+since its last refit, see continuation.py's refit schedule: a bounded total cost, hit rates within noise).
 
 Why one piece (~900 lines): the recency lists, the returned-heaps and the cached candidates are the policy's state,
 not a container beside it. Every hook moves a block between them while it routes and scores it (``on_release``
@@ -145,7 +147,7 @@ class SAECachePolicy(EvictionPolicy):
                  continuation: bool = True, density: bool = True, continuation_features: bool = True,
                  censoring: bool = True,
                  pe_routing: bool = False, continue_threshold: float = 0.5, sample: int = 8, min_dt: float = 1e-3,
-                 refit_steps: int = 3, params: dict[str, float] | None = None) -> None:
+                 refit_steps: int = 3, refit_growth: float = 0.0, params: dict[str, float] | None = None) -> None:
         super().__init__()
         if sample < 1:
             raise ValueError(f"saecache: sample must be >= 1, got {sample}")
@@ -172,7 +174,7 @@ class SAECachePolicy(EvictionPolicy):
         self.arrivals = Arrivals(multi_queue=multi_queue, continuation=continuation, density=density,
                                  continuation_features=continuation_features, censoring=censoring,
                                  pe_routing=pe_routing, continue_threshold=continue_threshold,
-                                 refit_steps=refit_steps, predictor=self.predictor)
+                                 refit_steps=refit_steps, refit_growth=refit_growth, predictor=self.predictor)
         self._lists: dict[int, _RecencyList] = {}  # group (queue-type code + _SLOT * slot) -> recency list
         self._returned: dict[int, list[tuple[int, int, Block]]] = {}  # group -> heap of (stamp, key, block)
         self._returned_new: dict[int, list[tuple[int, int, Block]]] = {}  # same blocks, newest first (-stamp)
