@@ -9,8 +9,8 @@ request loop, a window at a time, and the loop applies what it says at the same 
 Per arrival (:meth:`Arrivals.arrive`): the request's queue (chat / agent for a (predicted) multi-turn session, else
 priority-eviction), its continuation bin (the online continuation model's ``p``, on the logit scale), whether the
 policy refits its turnover time and continuation model at this arrival (every ``REFIT_EVERY`` arrivals; the model
-is refitted here), and whether the request used a shared prefix (the structural queue's reuse rate moved). The gap
-statistics the online learners read (:meth:`window_stats`) are counted here too.
+is offered an update here and refits by its schedule), and whether the request used a shared prefix (the structural
+queue's reuse rate moved). The gap statistics the online learners read (:meth:`window_stats`) are counted here too.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Arrivals:
 
     def __init__(self, *, multi_queue: bool = True, continuation: bool = True, density: bool = True,
                  continuation_features: bool = True, censoring: bool = True, pe_routing: bool = False,
-                 continue_threshold: float = 0.5, refit_steps: int = 3, refit_growth: float = 0.0,
+                 continue_threshold: float = 0.5, refit_steps: int = 3, refit_growth: float = 0.5,
                  predictor: Predictor | None = None) -> None:
         self.multi_queue, self.continuation, self.density = bool(multi_queue), bool(continuation), bool(density)
         self.pe_routing = bool(pe_routing)

@@ -32,7 +32,7 @@ requests it rests on (the labelled buffer and the pending requests), which grow 
 every offer costs time quadratic in the trace's length until the buffer is full. With ``refit_growth = g`` the
 model refits only once the offers (the arrivals) have grown by the fraction ``g`` since its last refit (at every
 offer while they are few, at most ``MAX_REFIT_GAP`` offers apart). The refits' total work is then a geometric series:
-about ``1 + 1/g`` refits on everything seen (3 at ``g = 0.5``), and the last refit always rested on at
+about ``1 + 1/g`` refits on everything seen (3 at SAECache's ``g = 0.5``), and the last refit always rested on at
 least ``1 / (1 + g)`` of the arrivals so far (two thirds). Between refits the counts still move at every arrival (a
 new request is pending, a returning session labels its previous request continued), so the per-turn rates do; what
 waits for the next refit is the pending requests' soft weights, the horizon's "ended" labels and ``beta``.

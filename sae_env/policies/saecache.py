@@ -51,7 +51,8 @@ type, ``mu_chat, sigma_chat, mu_agent, sigma_agent``, ``gamma``, ``mu_structural
 learners that set them after every window live in :mod:`agents.sae_online` (this module only measures what they
 need, in :meth:`window_stats`). The continuation model, the shared prefixes' reuse rate and the turnover time are
 the policy's own online estimates, part of the ranking as LPC's rates are part of LPC: updated at every arrival,
-refitted every ``REFIT_EVERY`` arrivals whatever the replay's window (see ``_refit``).
+refitted every ``REFIT_EVERY`` arrivals whatever the replay's window (see ``_refit``; the continuation model at those
+of them its ``refit_growth`` schedule picks).
 
 Switches (ablations): ``continuation`` (off: p = 1, no continuation model), ``density`` (off: the paper's
 ``p_q / dt``), ``continuation_features`` (off: per-turn rates only), ``censoring`` (off: a pending session counts
@@ -61,8 +62,8 @@ as ended, as LPC counts), ``pe_routing`` (on: requests with p below ``continue_t
 (the paper's ranking: off routes first requests by rule only; under the continuation model a predictor is one of
 its features). With every switch off the policy evicts in LRU order (a test checks it against ``lru``). Not a
 switch but cost knobs: ``refit_steps`` (3), the continuation model's EM and Newton steps per refit, and
-``refit_growth`` (0: the model refits at every ``REFIT_EVERY`` arrivals; 0.5: once the arrivals have grown by half
-since its last refit, see continuation.py's refit schedule: a bounded total cost, hit rates within noise).
+``refit_growth`` (0.5): the model refits once the arrivals have grown by half since its last refit, not at every
+``REFIT_EVERY`` arrivals (0; continuation.py's refit schedule: a bounded total cost, the same hit rates within noise).
 
 Why one piece (~900 lines): the recency lists, the returned-heaps and the cached candidates are the policy's state,
 not a container beside it. Every hook moves a block between them while it routes and scores it (``on_release``
@@ -147,7 +148,7 @@ class SAECachePolicy(EvictionPolicy):
                  continuation: bool = True, density: bool = True, continuation_features: bool = True,
                  censoring: bool = True,
                  pe_routing: bool = False, continue_threshold: float = 0.5, sample: int = 8, min_dt: float = 1e-3,
-                 refit_steps: int = 3, refit_growth: float = 0.0, params: dict[str, float] | None = None) -> None:
+                 refit_steps: int = 3, refit_growth: float = 0.5, params: dict[str, float] | None = None) -> None:
         super().__init__()
         if sample < 1:
             raise ValueError(f"saecache: sample must be >= 1, got {sample}")
