@@ -7,8 +7,11 @@ table gives its token hit rate and, in brackets, its share of the LRU-to-Belady 
 
 ``--criteria`` adds SAECache's margin over the stronger of LRU and LPC in every cell, and checks it: at least
 -0.2 points in every cell, at least +1 point on average over the cells where Belady is more than 5 points above LRU,
-the share of the gap closed on WildChat at 5 %, and SAECache's decision time per request over LPC's (CPU time of the
-replay loop, which is what ``replay``'s decision_us measures in wall time; CPU time is steadier on a shared machine).
+the share of the gap closed on WildChat at 5 %, and SAECache's decision time per request over LPC's: CPU time of
+each whole replay with its online learners, summed over the cache sizes, in this process, so the compiled kernels
+are loaded by the first replay of each policy only (CPU time is steadier on a shared machine). ``train.py replay``'s
+decision_us is a different figure: the wall time of a process's first replay, kernel loading included, learners
+excluded; on short traces loading weighs more in it, so its ratios are lower.
 ``--seeds`` replays traces whose source draws arrivals or gaps (WildChat's gaps come from our generator) under
 several seeds and adds the mean margin with its 95 % interval per cache size. ``--opt KEY=VALUE`` (repeatable) sets a
 source option, e.g. WildChat's session arrival ``rate``, on the traces whose source takes it (with the seeds); a trace
@@ -96,7 +99,7 @@ def print_criteria(rows: list[dict[str, Any]], cpu: dict[str, dict[str, float]],
         if r["trace"] == "wildchat" and abs(r["capacity"] - 0.05) < 1e-9:
             print(f"- share of the LRU-to-Belady gap closed on wildchat at 5 %: "
                   f"{100 * r['gap_share'][who]:.1f} % (LPC: {100 * r['gap_share']['lpc']:.1f} %)")
-    print(f"- decision time per request, CPU ({who} / lpc): " + ", ".join(
+    print(f"- decision time per request, CPU, kernels loaded once per process ({who} / lpc): " + ", ".join(
         f"{t} {1e6 * c[who] / c['requests']:.0f} / {1e6 * c['lpc'] / c['requests']:.0f} us = "
         f"{c[who] / c['lpc']:.2f}x" for t, c in cpu.items()))
 
