@@ -483,3 +483,32 @@ def test_importing_one_twin_module_first_hides_no_other_twin():
             "print(*(Replay(trace[:50], PrefixCache(64, make_policy(n))).engine for n in ('lru', 'lpc', 'saecache')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["fast", "fast", "fast"]
+
+
+def test_the_kernel_cache_stamp_covers_the_modules_the_package_imports_from(tmp_path):
+    """A kernel freezes the globals it reads (constants imported from other modules too) into its cached machine
+    code: the cache's stamp changes with the package's files and with the modules they import from, not with others."""
+    from sae_env.fast_engine.jit import _PACKAGE, _package_stamp, _stamped_files
+
+    project = tmp_path / "sae_env"
+    (project / "fast").mkdir(parents=True)
+    (project / "policies").mkdir()
+    for f in (project / "__init__.py", project / "policies" / "__init__.py", project / "fast" / "__init__.py"):
+        f.write_text("")
+    (project / "policies" / "consts.py").write_text("BIN = 0.5\n")
+    (project / "other.py").write_text("Y = 1\n")
+    kernel = "from sae_env.policies.consts import (\n    BIN,\n)\nfrom .b import Z\n"  # a multi-line import
+    (project / "fast" / "kernel.py").write_text(kernel)
+    (project / "fast" / "b.py").write_text("Z = 2\n")
+    package = project / "fast"
+    first = _package_stamp(package)
+    (project / "other.py").write_text("Y = 2\n")
+    assert _package_stamp(package) == first
+    (project / "policies" / "consts.py").write_text("BIN = 1.0\n")
+    second = _package_stamp(package)
+    assert second != first
+    (project / "fast" / "b.py").write_text("Z = 3\n")
+    assert _package_stamp(package) not in (first, second)
+    # the real package: the constants of SAECache's arrivals and the token types are covered
+    real = {f.relative_to(_PACKAGE.parent.parent).as_posix() for f in _stamped_files()}
+    assert {"sae_env/policies/arrivals.py", "sae_env/trace.py", "sae_env/fast_engine/loop.py"} <= real

@@ -34,6 +34,7 @@ A hook a policy does not implement is a no-op (``evict`` must be implemented).
 from __future__ import annotations
 
 import hashlib
+import re
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -100,20 +101,49 @@ if AVAILABLE:
         return state(state), codegen
 
 
-def _package_stamp() -> str:
-    """A digest of every source file of this package."""
+# ``from sae_env.x.y import ...`` / ``import sae_env.x.y``: the modules of the project a source file imports from
+_IMPORT = re.compile(r"^\s*(?:from\s+(sae_env(?:\.\w+)*)\s+import\b|import\s+(sae_env(?:\.\w+)*))", re.M)
+
+
+def _stamped_files(package: Path = _PACKAGE) -> list[Path]:
+    """Every source file of ``package``, then every module of the project its files import from.
+
+    The imported modules count because a kernel reads a global as a constant frozen into its machine code: a value
+    imported from another module (``LOGIT_BIN`` from :mod:`sae_env.policies.arrivals`, a ``TokenType``) must
+    invalidate the kernels when it changes, or they run with the old one (a changed bin width wrote past the end of
+    an array). Only direct imports count: a constant a module re-exports from a third one is covered by the third's
+    source only if the package imports that one too."""
+    root = package.parent.parent  # the folder that holds the project's top-level package
+    own = sorted(package.glob("*.py"))
+    imported: set[Path] = set()
+    for f in own:
+        for a, b in _IMPORT.findall(f.read_text()):
+            parts = (a or b).split(".")
+            for candidate in (root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts, "__init__.py")):
+                if candidate.is_file():
+                    if candidate.resolve().parent != package.resolve():
+                        imported.add(candidate.resolve())
+                    break
+    return own + sorted(imported)
+
+
+def _package_stamp(package: Path = _PACKAGE) -> str:
+    """A digest of :func:`_stamped_files`: their paths (below the project's folder) and contents."""
+    root = package.parent.parent.resolve()
     h = hashlib.sha256()
-    for f in sorted(_PACKAGE.glob("*.py")):
-        h.update(f.name.encode())
+    for f in _stamped_files(package):
+        f = f.resolve()
+        h.update(str(f.relative_to(root) if f.is_relative_to(root) else f.name).encode())
         h.update(f.read_bytes())
     return h.hexdigest()
 
 
 def _stamp_the_whole_package() -> None:
     """numba checks a cached kernel against its own source file only, but a kernel here inlines hooks from the
-    other modules of the package: a changed hook would keep running its stale machine code. The kernels of this
-    package are checked against a digest of all its files instead (numba's cache locators, subclassed: their
-    location is unchanged). Should numba's internals move, caching stays as numba does it."""
+    other modules of the package and reads constants imported from the project's other modules: a changed hook or
+    constant would keep running its stale machine code. The kernels of this package are checked against a digest of
+    all its files and the modules they import from (:func:`_package_stamp`) instead (numba's cache locators,
+    subclassed: their location is unchanged). Should numba's internals move, caching stays as numba does it."""
     try:
         from numba.core import caching
     except ImportError:  # pragma: no cover
