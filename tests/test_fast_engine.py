@@ -13,6 +13,8 @@ replay continued on either engine gives the same windows. Also: which engine ``a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import build_trace, flat_trace, prefix_traces, zipf_ids
@@ -488,7 +490,8 @@ def test_importing_one_twin_module_first_hides_no_other_twin():
 def test_the_kernel_cache_stamp_covers_the_modules_the_package_imports_from(tmp_path):
     """A kernel freezes the globals it reads (constants imported from other modules too) into its cached machine
     code: the cache's stamp changes with the package's files and with the modules they import from, not with others."""
-    from sae_env.fast_engine.jit import _PACKAGE, _package_stamp, _stamped_files
+    import sae_env.fast_engine as fast_engine
+    from sae_env.fast_engine.jit import package_stamp, stamped_files
 
     project = tmp_path / "sae_env"
     (project / "fast").mkdir(parents=True)
@@ -501,14 +504,15 @@ def test_the_kernel_cache_stamp_covers_the_modules_the_package_imports_from(tmp_
     (project / "fast" / "kernel.py").write_text(kernel)
     (project / "fast" / "b.py").write_text("Z = 2\n")
     package = project / "fast"
-    first = _package_stamp(package)
+    first = package_stamp(package)
     (project / "other.py").write_text("Y = 2\n")
-    assert _package_stamp(package) == first
+    assert package_stamp(package) == first
     (project / "policies" / "consts.py").write_text("BIN = 1.0\n")
-    second = _package_stamp(package)
+    second = package_stamp(package)
     assert second != first
     (project / "fast" / "b.py").write_text("Z = 3\n")
-    assert _package_stamp(package) not in (first, second)
+    assert package_stamp(package) not in (first, second)
     # the real package: the constants of SAECache's arrivals and the token types are covered
-    real = {f.relative_to(_PACKAGE.parent.parent).as_posix() for f in _stamped_files()}
+    root = Path(fast_engine.__file__).resolve().parent.parent.parent
+    real = {f.relative_to(root).as_posix() for f in stamped_files()}
     assert {"sae_env/policies/arrivals.py", "sae_env/trace.py", "sae_env/fast_engine/loop.py"} <= real

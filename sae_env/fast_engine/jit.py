@@ -40,7 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AVAILABLE", "HOOKS", "borrow", "implements", "inline", "jit", "kernel", "rebind", "template"]
+__all__ = ["AVAILABLE", "HOOKS", "borrow", "implements", "inline", "jit", "kernel", "package_stamp", "rebind",
+           "stamped_files", "template"]
 
 try:  # an optional dependency: the replay falls back to the Python engine without it
     import numba
@@ -105,7 +106,7 @@ if AVAILABLE:
 _IMPORT = re.compile(r"^\s*(?:from\s+(sae_env(?:\.\w+)*)\s+import\b|import\s+(sae_env(?:\.\w+)*))", re.M)
 
 
-def _stamped_files(package: Path = _PACKAGE) -> list[Path]:
+def stamped_files(package: Path = _PACKAGE) -> list[Path]:
     """Every source file of ``package``, then every module of the project its files import from.
 
     The imported modules count because a kernel reads a global as a constant frozen into its machine code: a value
@@ -127,11 +128,11 @@ def _stamped_files(package: Path = _PACKAGE) -> list[Path]:
     return own + sorted(imported)
 
 
-def _package_stamp(package: Path = _PACKAGE) -> str:
-    """A digest of :func:`_stamped_files`: their paths (below the project's folder) and contents."""
+def package_stamp(package: Path = _PACKAGE) -> str:
+    """A digest of :func:`stamped_files`: their paths (below the project's folder) and contents."""
     root = package.parent.parent.resolve()
     h = hashlib.sha256()
-    for f in _stamped_files(package):
+    for f in stamped_files(package):
         f = f.resolve()
         h.update(str(f.relative_to(root) if f.is_relative_to(root) else f.name).encode())
         h.update(f.read_bytes())
@@ -142,13 +143,13 @@ def _stamp_the_whole_package() -> None:
     """numba checks a cached kernel against its own source file only, but a kernel here inlines hooks from the
     other modules of the package and reads constants imported from the project's other modules: a changed hook or
     constant would keep running its stale machine code. The kernels of this package are checked against a digest of
-    all its files and the modules they import from (:func:`_package_stamp`) instead (numba's cache locators,
+    all its files and the modules they import from (:func:`package_stamp`) instead (numba's cache locators,
     subclassed: their location is unchanged). Should numba's internals move, caching stays as numba does it."""
     try:
         from numba.core import caching
     except ImportError:  # pragma: no cover
         return
-    stamp = _package_stamp()
+    stamp = package_stamp()
     bases = [getattr(caching, n, None) for n in ("InTreeCacheLocator", "UserWideCacheLocator")]
     if not all(bases) or not hasattr(caching.CacheImpl, "_locator_classes"):  # pragma: no cover
         return
