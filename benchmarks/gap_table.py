@@ -59,8 +59,8 @@ def hit_rate(trace: Any, name: str, capacity: int, window: int) -> float:
 
 def replay_cell(trace: Any, name: str, capacity: int, window: int,
                 options: dict[str, Any] | None = None) -> tuple[float, float]:
-    """(token hit rate, CPU seconds of the replay loop) of ``name`` (built with ``options``) as ``train.py replay``
-    runs it."""
+    """(token hit rate, CPU seconds of the whole replay, its online learners included) of ``name`` (built with
+    ``options``) as ``train.py replay`` runs it."""
     policy = make_policy(name, **(options or {}))
     callbacks = AgentsExtension().replay_callbacks(argparse.Namespace(fixed=False), policy)
     rep = Replay(trace, PrefixCache(capacity, policy), None, window_requests=window, callbacks=callbacks)
