@@ -47,7 +47,9 @@ try:  # an optional dependency: the replay falls back to the Python engine witho
     import numba
 
     AVAILABLE = True
-    jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+    # No C-callable wrapper: nothing here takes a kernel's address, and the wrapper is code that every process
+    # loads from the disk cache before a kernel's first call (LLVM parses it: 270-430 instructions a kernel).
+    jit = numba.njit(cache=True, nogil=True, boundscheck=False, no_cfunc_wrapper=True)
     # Helpers are inlined into the kernels: a call that passes arrays costs reference-count updates, which
     # measured here tripled the cost of an LRU update.
     inline = numba.njit(inline="always", boundscheck=False)

@@ -111,7 +111,7 @@ def _add(ps, rec, s, where):
     """Slot ``s`` joins its group's list (where=1) or returned set (where=2)."""
     g = rec[s, GROUP]
     rec[s, WHERE] = where
-    tp.insert(ps.root, rec, s)
+    tp.insert(ps.root, rec, np.int64(s))  # one compiled insert for every caller's slot type
     ps.gcount[g] += 1
     ps.gfresh[g] = 0
     if not ps.gseen[g]:
@@ -123,7 +123,7 @@ def _add(ps, rec, s, where):
 @inline
 def _remove(ps, rec, s):
     g = rec[s, GROUP]
-    tp.delete(ps.root, rec, s)
+    tp.delete(ps.root, rec, np.int64(s))
     rec[s, WHERE] = 0
     ps.gcount[g] -= 1
     ps.gfresh[g] = 0
