@@ -1,9 +1,10 @@
 """Compiled twin of SAECache's arrivals (:meth:`~sae_env.policies.arrivals.Arrivals.arrive` with the continuation
 model's ``arrive`` and ``p``): a window's requests in one call, the same floats in the same order.
 
-What stays in Python is what runs once per many arrivals: the continuation model's refit (every ``REFIT_EVERY``
-arrivals: the requests idle past the horizon labelled ended, the rates' EM steps and the Newton steps of the
-correction, in numpy) and the block of ``z @ beta`` that ``p`` reads (1024 requests at a time). :func:`run` stops at
+What stays in Python is what runs once per many arrivals: the continuation model's refit (at the update offers,
+every ``REFIT_EVERY`` arrivals, that its ``refit_growth`` schedule makes due, counted here as the model counts them:
+the requests idle past the horizon labelled ended, the rates' EM steps and the Newton steps of the correction, in
+numpy) and the block of ``z @ beta`` that ``p`` reads (1024 requests at a time). :func:`run` stops at
 the request that needs one of them, :class:`CompiledArrivals` does it through the Python model's own methods, and the
 loop goes on from that request.
 
@@ -30,19 +31,21 @@ import numpy as np
 
 from sae_env.fast_engine.jit import borrow, inline, jit
 from sae_env.policies.arrivals import AG, CH, LOGIT_BIN, LOGIT_MAX, PE, REFIT_EVERY, ST, Arrivals
-from sae_env.policies.continuation import P_CLIP
+from sae_env.policies.continuation import MAX_REFIT_GAP, P_CLIP
 
 __all__ = ["CompiledArrivals"]
 
 DONE, REFIT_DUE, NEED_ZB, NEED_ROOM = range(4)  # why run() returned
 # Integer scalars: arrivals so far, shared-prefix uses and reuses, pending entries, labelled entries, the z @ beta
 # block's first request and length, whether the refit due at the next arrival was done,
-# and the next insertion rank of the sessions' dict and of the model's latest-request dict.
-ARRIVALS, PREFIX_USES, PREFIX_REUSED, PQ_N, LAB_N, ZB_FROM, ZB_LEN, REFIT_DONE, SESS_NEXT, LAST_NEXT = range(10)
+# the next insertion rank of the sessions' dict and of the model's latest-request dict, and the model's refit
+# schedule: update offers so far, the offer it refits at next (ContinuationModel.update_due).
+ARRIVALS, PREFIX_USES, PREFIX_REUSED, PQ_N, LAB_N, ZB_FROM, ZB_LEN, REFIT_DONE, SESS_NEXT, LAST_NEXT, OFFERS, \
+    NEXT_REFIT = range(12)
 P_ST = 0  # float scalars: the structural continuation rate
 # Options: a continuation model, the hit density, PE routing, multi_queue, censoring, features, buffer.
 HAS_MODEL, DENSITY, PE_ROUTING, MULTI, CENSORING, FEATURES, BUFFER = range(7)
-THRESHOLD, PRIOR_A, PRIOR_B = range(3)
+THRESHOLD, PRIOR_A, PRIOR_B, GROWTH = range(4)  # float options (GROWTH: refit_growth)
 REFIT, STRUCTURAL = 1, 2  # request flags, as the compiled SAECache reads them
 
 
@@ -178,7 +181,7 @@ def _add_gap(gap, q, dt):
 def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
     """Arrivals.arrive for requests ``i0 .. i1-1`` (arriving at ``times[i]``): their queue, continuation bin, flags
     and structural rate in ``out_*[i]``. Returns ``(i, why)``: ``i`` the request it stopped at (``i1``: DONE), before
-    anything of it was done, to have its refit run (REFIT_DUE; set REFIT_DONE then), its z @ beta block computed
+    anything of it was done, to have its due refit run (REFIT_DUE), its z @ beta block computed
     (NEED_ZB) or the pending arrays grown (NEED_ROOM)."""
     st = borrow(st)  # no reference counting inside (jit.borrow says why)
     ai, opt = st.ai, st.opt
@@ -188,8 +191,13 @@ def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
         nxt = ai[ARRIVALS] + 1
         refit = (density or has_model) and nxt % REFIT_EVERY == 0
         if has_model:
-            if refit and not ai[REFIT_DONE]:
-                return i, REFIT_DUE
+            if refit and not ai[REFIT_DONE]:  # an update offer, counted once whatever stops follow
+                ai[REFIT_DONE] = 1
+                o = ai[OFFERS] + 1
+                ai[OFFERS] = o
+                if o >= ai[NEXT_REFIT]:  # ContinuationModel.update_due
+                    ai[NEXT_REFIT] = o + max(1, min(MAX_REFIT_GAP, int(o * st.optf[GROWTH])))
+                    return i, REFIT_DUE
             if opt[FEATURES] and not (ai[ZB_FROM] <= i < ai[ZB_FROM] + ai[ZB_LEN]):
                 return i, NEED_ZB
             if ai[PQ_N] == st.pq_req.size:
@@ -302,6 +310,7 @@ class CompiledArrivals:
                 zb[:zb_len] = block
             bucket, prior = model.turn_buckets, model.prior
             censoring, features, buffer = model.censoring, model.features, model.buffer
+            offers, next_refit, growth = int(state["model_offers"]), int(state["model_next_refit"]), model.refit_growth
         else:
             pq_req, pq_t, pq_w = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1)
             rates, alive, continued, ended = np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1)
@@ -310,8 +319,10 @@ class CompiledArrivals:
             zb_from = zb_len = 0
             bucket = np.zeros(1, dtype=np.int8)
             prior, censoring, features, buffer = (1.0, 1.0), False, False, 1
+            offers, next_refit, growth = 0, 1, 0.0
         ai = np.array([state["arrivals"], state["prefix_uses"], state["prefix_reused"],
-                       pend.size if model is not None else 0, lab_n, zb_from, zb_len, 0, ids.size, n_last],
+                       pend.size if model is not None else 0, lab_n, zb_from, zb_len, 0, ids.size, n_last, offers,
+                       next_refit],
                       dtype=np.int64)
         self.state = ArrivalState(
             queue_of=queue_of, session=session, prefix_of=prefix_of, bucket=bucket, sess_t=sess_t, sess_q=sess_q,
@@ -320,7 +331,7 @@ class CompiledArrivals:
             n_pending=n_pending, lab_i=lab_i, lab_y=lab_y, zb=zb, ai=ai, af=np.array([state["p_structural"]]),
             opt=np.array([model is not None, arrivals.density, arrivals.pe_routing, arrivals.multi_queue, censoring,
                           features, buffer], dtype=np.int64),
-            optf=np.array([arrivals.continue_threshold, prior[0], prior[1]]))
+            optf=np.array([arrivals.continue_threshold, prior[0], prior[1], growth]))
 
     def run(self, a: int, b: int, out_q: np.ndarray, out_slot: np.ndarray, out_flags: np.ndarray,
             out_pst: np.ndarray) -> None:
@@ -360,11 +371,9 @@ class CompiledArrivals:
         return st.pq_req[:n][live], st.pq_t[:n][live], st.pq_w[:n][live]
 
     def _refit(self, now: float) -> None:
-        """ContinuationModel.update, on the pending arrays (the model's update_pending)."""
+        """ContinuationModel.update at an offer that run() found due, on the pending arrays (the model's
+        update_pending)."""
         st, model = self.state, self.arrivals.model
-        st.ai[REFIT_DONE] = 1
-        if not model.update_due():
-            return
         self._counts_to_model()
         pend, t_pend, w_pend = self._pending()
         keep, soft = model.update_pending(now, self.arrivals.gaps, pend, t_pend, w_pend)
@@ -413,7 +422,8 @@ class CompiledArrivals:
             pend, t_pend, w_pend = self._pending()
             state.update({"model_last_sessions": np.array([e[1] for e in last], dtype=np.int64),
                           "model_last_requests": np.array([e[2] for e in last], dtype=np.int64),
-                          "model_pending": pend, "model_pending_t": t_pend, "model_pending_w": w_pend})
+                          "model_pending": pend, "model_pending_t": t_pend, "model_pending_w": w_pend,
+                          "model_offers": int(st.ai[OFFERS]), "model_next_refit": int(st.ai[NEXT_REFIT])})
         arrivals.import_state(state)
         # import_state made new arrays of the prefixes' last uses and of the labelled buffer
         self.state = self.state._replace(prefix_last=arrivals.routes()[2])

@@ -320,7 +320,9 @@ class ContinuationModel:
 
     def update_due(self) -> bool:
         """An update is offered (the policy's every ``REFIT_EVERY`` arrivals): counts the offer and says whether the
-        model refits at it (:meth:`update_pending`), by the schedule of ``refit_growth`` (module docstring)."""
+        model refits at it (:meth:`update_pending`), by the schedule of ``refit_growth`` (module docstring). The
+        compiled arrivals (:mod:`sae_env.fast_engine.arrivals`) count the offers by the same rule and hand the count
+        back with the rest of the state."""
         self._offers += 1
         if self._offers < self._next_refit:
             return False
