@@ -37,15 +37,15 @@ __all__ = ["CompiledArrivals"]
 
 DONE, REFIT_DUE, NEED_ZB, NEED_ROOM = range(4)  # why run() returned
 # Integer scalars: arrivals so far, shared-prefix uses and reuses, pending entries, labelled entries, the z @ beta
-# block's first request and length, whether the refit due at the next arrival was done,
-# the next insertion rank of the sessions' dict and of the model's latest-request dict, and the model's refit
-# schedule: update offers so far, the offer it refits at next (ContinuationModel.update_due).
+# block's first request and length, whether the update offer at the next arrival was counted (run() may stop there
+# more than once), the next insertion rank of the sessions' dict and of the model's latest-request dict, and the
+# model's refit schedule: update offers so far, the offer it refits at next (ContinuationModel.update_due).
 ARRIVALS, PREFIX_USES, PREFIX_REUSED, PQ_N, LAB_N, ZB_FROM, ZB_LEN, REFIT_DONE, SESS_NEXT, LAST_NEXT, OFFERS, \
     NEXT_REFIT = range(12)
 P_ST = 0  # float scalars: the structural continuation rate
 # Options: a continuation model, the hit density, PE routing, multi_queue, censoring, features, buffer.
 HAS_MODEL, DENSITY, PE_ROUTING, MULTI, CENSORING, FEATURES, BUFFER = range(7)
-THRESHOLD, PRIOR_A, PRIOR_B, GROWTH = range(4)  # float options (GROWTH: refit_growth)
+THRESHOLD, PRIOR_A, PRIOR_B, GROWTH = range(4)  # float options: continue_threshold, prior, refit_growth
 REFIT, STRUCTURAL = 1, 2  # request flags, as the compiled SAECache reads them
 
 
@@ -75,7 +75,7 @@ class ArrivalState(NamedTuple):
     ai: np.ndarray  # int64 scalars (above)
     af: np.ndarray  # float64 scalars
     opt: np.ndarray  # int64 options
-    optf: np.ndarray  # float64: continue_threshold, the prior's two pseudo-counts
+    optf: np.ndarray  # float64: continue_threshold, the prior's two pseudo-counts, refit_growth
 
 
 # The helpers are inlined into run(), which borrows the state: a call that passes the state tuple copies its 26
