@@ -113,3 +113,31 @@ def test_pending_out_of_arrival_order_stays_in_python():
     a.model._pend_t = dict(reversed(list(a.model._pend_t.items())))
     a.model._pend_w = dict(reversed(list(a.model._pend_w.items())))
     assert len(a.model._pend_t) > 1 and compiled(a) is None
+
+
+
+@pytest.mark.parametrize("growth", [0.0, 0.5, 1.0])
+def test_the_compiled_arrivals_hand_back_only_the_refits_the_schedule_makes_due(growth, monkeypatch):
+    """run() counts the update offers itself and returns to Python only at the offers where the model's
+    ``update_due`` says yes (every offer at growth 0, 11 of mooncake_synthetic's 62 at 0.5): the same refits as the
+    Python arrivals, at the same requests."""
+    trace, _ = open_trace("mooncake_synthetic")
+    ref, fast = arrivals_for(trace, refit_growth=growth), arrivals_for(trace, refit_growth=growth)
+    ref_refits, handed_back = [], []
+    update_pending = ContinuationModel.update_pending
+
+    def spy(model, now, *args):
+        ref_refits.append(now)
+        return update_pending(model, now, *args)
+
+    ref.model.update_pending = spy.__get__(ref.model)
+    refit = CompiledArrivals._refit
+    monkeypatch.setattr(CompiledArrivals, "_refit", lambda self, now: (handed_back.append(now), refit(self, now))[1])
+    want = python_rows(ref, trace)
+    got, c = compiled_rows(fast, trace, [1000, 2500])
+    assert got == want
+    schedule = ContinuationModel(refit_growth=growth)
+    due = [k for k in range(len(trace) // 64) if schedule.update_due()]
+    assert handed_back == ref_refits and len(ref_refits) == len(due)
+    assert len(due) == (62 if growth == 0 else 11 if growth == 0.5 else 7)
+    same_state(c.save().export_state(), ref.export_state())
