@@ -1,0 +1,106 @@
+"""A policy's decision time over another's, as the README and issue 11 measure it: ``decision_us_per_request`` of
+``python train.py replay --trace T --policy lpc,saecache --capacity 0.1`` (the replay's wall clock over its requests,
+in the first replay of a fresh process, so loading each policy's compiled kernels is part of it), several runs per
+trace, each in a new process.
+
+    python benchmarks/decision_time.py [--traces wildchat,taubench,...] [--runs 5] [--capacity 0.1]
+        [--policy saecache] [--against lpc] [--policy-opt KEY=VALUE ...] [--opt KEY=VALUE ...] [--json FILE]
+
+Prints one row per trace: the ratio (policy over against, each run's own pair) as median and range over the runs,
+and each policy's median us per request; the last line is ``ratio_max=...``, the largest median. These machines are
+noisy: a run's ratio moves by 5-10 % from run to run, hence several runs and the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACES = ("wildchat", "taubench", "bailian", "mooncake_arxiv", "mooncake_synthetic")
+
+
+def one_run(trace: str, policy: str, against: str, capacity: str, extra: list[str]) -> dict[str, float]:
+    """One ``train.py replay`` in a new process: each policy's ``decision_us_per_request``. Raises RuntimeError
+    with train.py's last error line if it fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "replay.json"
+        cmd = [sys.executable, str(ROOT / "train.py"), "replay", "--trace", trace, "--policy", f"{against},{policy}",
+               "--capacity", capacity, "--json", str(out), *extra]
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
+        if done.returncode != 0:
+            lines = [x for x in (done.stderr or done.stdout).splitlines() if x.strip()]
+            raise RuntimeError(lines[-1] if lines else f"train.py replay exited {done.returncode}")
+        rows = json.loads(out.read_text())
+    return {r["policy"]: float(r["decision_us_per_request"]) for r in rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--traces", default=",".join(TRACES), help="trace names, as replay's --trace (comma list)")
+    p.add_argument("--runs", type=int, default=5, help="runs per trace, each in a new process (default 5)")
+    p.add_argument("--capacity", default="0.1", help="as replay's --capacity (default 0.1)")
+    p.add_argument("--policy", default="saecache", help="the policy timed (default saecache)")
+    p.add_argument("--against", default="lpc", help="the policy it is divided by (default lpc)")
+    p.add_argument("--policy-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to replay (repeatable), e.g. --policy-opt continuation=false")
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="a source option passed to replay (repeatable)")
+    p.add_argument("--json", metavar="FILE", help="also write every run's figures as JSON")
+    args = p.parse_args(argv)
+    traces = [x.strip() for x in args.traces.split(",") if x.strip()]
+    if not traces:
+        print("error: --traces: no trace named", file=sys.stderr)
+        return 2
+    if args.runs < 1:
+        print(f"error: --runs must be at least 1, got {args.runs}", file=sys.stderr)
+        return 2
+    if args.policy == args.against:
+        print(f"error: --policy and --against are both {args.policy!r}", file=sys.stderr)
+        return 2
+    extra = [x for kv in args.policy_opt for x in ("--policy-opt", kv)] + [x for kv in args.opt for x in ("--opt", kv)]
+    from tqdm import tqdm
+
+    results: dict[str, list[dict[str, float]]] = {}
+    with tqdm(total=len(traces) * args.runs, unit="run", leave=False, file=sys.stderr, disable=None) as bar:
+        for trace in traces:
+            results[trace] = []
+            for _ in range(args.runs):
+                bar.set_postfix_str(trace)
+                try:
+                    results[trace].append(one_run(trace, args.policy, args.against, args.capacity, extra))
+                except RuntimeError as e:
+                    bar.close()
+                    why = str(e).removeprefix("error: ")
+                    print(f"error: {trace}: {why}", file=sys.stderr)
+                    return 2
+                bar.update()
+    label = args.policy + "".join(f" {kv}" for kv in args.policy_opt)
+    print(f"decision_us_per_request of `train.py replay --capacity {args.capacity}`, first replay of a process, "
+          f"{args.runs} run(s) per trace: {label} over {args.against}")
+    print(f"| trace | {args.policy} / {args.against}: median (range) | {args.policy} us/request | "
+          f"{args.against} us/request |")
+    print("|---|---|---|---|")
+    medians = []
+    for trace, runs in results.items():
+        ratios = [r[args.policy] / r[args.against] for r in runs]
+        m = statistics.median(ratios)
+        medians.append(m)
+        print(f"| {trace} | {m:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
+              f"{statistics.median(r[args.policy] for r in runs):.2f} | "
+              f"{statistics.median(r[args.against] for r in runs):.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"policy": args.policy, "against": args.against,
+                                               "capacity": args.capacity, "policy_opt": args.policy_opt,
+                                               "opt": args.opt, "runs": results}, indent=1))
+    print(f"ratio_max={max(medians):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""benchmarks/decision_time.py: the README's decision-time ratios, each run a fresh ``train.py replay``."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "decision_time.py"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("--runs", "0"), "--runs must be at least 1, got 0"),
+    (("--traces", ","), "--traces: no trace named"),
+    (("--policy", "lpc"), "--policy and --against are both 'lpc'"),
+    (("--traces", "no_such_trace", "--runs", "1"), "no_such_trace: say which format no_such_trace is in"),
+    (("--traces", "taubench", "--runs", "1", "--policy-opt", "bogus=1"), "taubench: --policy-opt bogus: none of lpc"),
+])
+def test_a_mistake_exits_2_with_one_line_that_names_it(args, says):
+    done = run(*args)
+    assert done.returncode == 2
+    lines = [x for x in done.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], done.stderr
+    assert done.stdout == ""
+
+
+@pytest.mark.slow
+def test_one_run_prints_the_ratio_of_the_two_replays(tmp_path):
+    out = tmp_path / "dt.json"
+    done = run("--traces", "mooncake_arxiv", "--runs", "2", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    row = re.search(r"^\| mooncake_arxiv \| ([\d.]+)x \(([\d.]+)-([\d.]+)\) \| ([\d.]+) \| ([\d.]+) \|$", done.stdout,
+                    re.M)
+    assert row, done.stdout
+    median, lo, hi = (float(row.group(k)) for k in (1, 2, 3))
+    assert lo <= median <= hi
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("ratio_max=") and abs(float(last.split("=")[1]) - median) <= 0.005  # the row rounds it
+    import json
+
+    runs = json.loads(out.read_text())["runs"]["mooncake_arxiv"]
+    assert len(runs) == 2 and all(set(r) == {"lpc", "saecache"} and min(r.values()) > 0 for r in runs)
