@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sae_env.files import check_output_file, write_json
+
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ("wildchat", "taubench", "bailian", "mooncake_arxiv", "mooncake_synthetic")
 
@@ -63,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.policy == args.against:
         print(f"error: --policy and --against are both {args.policy!r}", file=sys.stderr)
         return 2
+    if args.json:
+        try:
+            check_output_file(args.json, "--json")  # before minutes of runs
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     extra = [x for kv in args.policy_opt for x in ("--policy-opt", kv)] + [x for kv in args.opt for x in ("--opt", kv)]
     from tqdm import tqdm
 
@@ -95,9 +103,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{statistics.median(r[args.policy] for r in runs):.2f} | "
               f"{statistics.median(r[args.against] for r in runs):.2f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"policy": args.policy, "against": args.against,
-                                               "capacity": args.capacity, "policy_opt": args.policy_opt,
-                                               "opt": args.opt, "runs": results}, indent=1))
+        write_json(args.json, {"policy": args.policy, "against": args.against, "capacity": args.capacity,
+                               "policy_opt": args.policy_opt, "opt": args.opt, "runs": results}, indent=1)
     print(f"ratio_max={max(medians):.3f}")
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -22,6 +23,8 @@ def run(*args: str) -> subprocess.CompletedProcess:
     (("--policy", "lpc"), "--policy and --against are both 'lpc'"),
     (("--traces", "no_such_trace", "--runs", "1"), "no_such_trace: say which format no_such_trace is in"),
     (("--traces", "taubench", "--runs", "1", "--policy-opt", "bogus=1"), "taubench: --policy-opt bogus: none of lpc"),
+    (("--json", str(Path(__file__) / "out.json"), "--runs", "1"), "is a file, not a folder"),
+    (("--json", str(Path(__file__).parent), "--runs", "1"), "is a folder; give a file name"),
 ])
 def test_a_mistake_exits_2_with_one_line_that_names_it(args, says):
     done = run(*args)
@@ -43,7 +46,5 @@ def test_one_run_prints_the_ratio_of_the_two_replays(tmp_path):
     assert lo <= median <= hi
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("ratio_max=") and abs(float(last.split("=")[1]) - median) <= 0.005  # the row rounds it
-    import json
-
     runs = json.loads(out.read_text())["runs"]["mooncake_arxiv"]
     assert len(runs) == 2 and all(set(r) == {"lpc", "saecache"} and min(r.values()) > 0 for r in runs)
