@@ -132,7 +132,12 @@ def test_the_compiled_arrivals_hand_back_only_the_refits_the_schedule_makes_due(
 
     ref.model.update_pending = spy.__get__(ref.model)
     refit = CompiledArrivals._refit
-    monkeypatch.setattr(CompiledArrivals, "_refit", lambda self, now: (handed_back.append(now), refit(self, now))[1])
+
+    def counted_refit(self, now):
+        handed_back.append(now)
+        return refit(self, now)
+
+    monkeypatch.setattr(CompiledArrivals, "_refit", counted_refit)
     want = python_rows(ref, trace)
     got, c = compiled_rows(fast, trace, [1000, 2500])
     assert got == want
