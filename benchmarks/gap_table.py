@@ -33,7 +33,6 @@ SAECache (or ``policy=P``) built with those constructor options (a switch flippe
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import time
 from typing import Any
@@ -65,7 +64,6 @@ def replay_cell(trace: Any, name: str, capacity: int, window: int,
     policy = make_policy(name, **(options or {}))
     callbacks = AgentsExtension().replay_callbacks(argparse.Namespace(fixed=False), policy)
     rep = Replay(trace, PrefixCache(capacity, policy), None, window_requests=window, callbacks=callbacks)
-    gc.collect()  # the earlier cells' garbage is not this replay's time (as train.py replay)
     start = time.process_time()
     rep.run()
     return summarize(rep.windows)["token_hit_rate"], time.process_time() - start

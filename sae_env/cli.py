@@ -18,7 +18,6 @@ few lines over the library (parse, call, print); split apart, the parser and its
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -309,10 +308,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
             server = make_server(args.serving)
             rep = Replay(trace, PrefixCache(capacity, policy), server, window_requests=args.window,
                          callbacks=callbacks)
-            # The garbage of what ran before (an earlier policy's cache: tens of thousands of blocks) is collected
-            # here, not inside this replay's clock: a full collection there took 14 ms of a 47 ms replay of
-            # mooncake_arxiv on the Python engine, charged to whichever policy came second.
-            gc.collect()
             rep.run(progress=args.progress)
             summary = summarize(rep.windows, policy=name, block_size=trace.block_size, timed=server.timed)
             summary["oracle"] = policy.oracle
