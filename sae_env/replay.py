@@ -11,7 +11,10 @@ One deterministic event loop, window by window (``window_requests`` requests, or
 
 In ``instant`` mode no time passes: each request completes at its arrival (outputs inserted, blocks unpinned) before
 the next one arrives; TTFT is not defined. Time is the trace clock only; ``wall_s`` (decision overhead) is measured
-separately and never enters the statistics. No gymnasium here: :mod:`sae_env.env` adapts this loop.
+separately and never enters the statistics. Python's cyclic garbage collector is paused while a window replays, as
+``timeit`` pauses it: a collection is triggered by the allocations of the whole process so far, so one falling in a
+window charged the garbage of earlier work (another policy's replay) to this one's ``wall_s``. The window's own cyclic
+garbage is collected after it. No gymnasium here: :mod:`sae_env.env` adapts this loop.
 
 Two engines run the loop with identical results: the generic Python one (any policy, any hooks, the readable
 reference) and a compiled one (:mod:`sae_env.fast_engine`, needs numba) for every policy with a compiled twin, in
@@ -24,6 +27,7 @@ writes the compiled state into the Python cache and policy (the replay goes on o
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import time
@@ -89,7 +93,9 @@ class Replay:
         self.block_size = trace.block_size
         self.next_request = 0
         self.windows: list[WindowStats] = []
-        self.wall_s = 0.0  # wall-clock seconds spent replaying (decision overhead), never in the statistics
+        # wall-clock seconds spent replaying (decision overhead), never in the statistics; the cyclic garbage
+        # collector is paused meanwhile (module docstring)
+        self.wall_s = 0.0
         self._events: list[tuple[float, int, int]] = []  # (completion time, request, 0) for in-flight requests
         self._inflight: dict[int, list] = {}  # request -> pinned path
         self._pending_ttft: list[float] = []
@@ -200,24 +206,30 @@ class Replay:
         a = self.next_request
         b = self._window_end(a)
         self.policy.reset_window()
-        start = time.perf_counter()
-        if self._fast is not None:
-            fast = self._fast
-            # hits: an array, which _stats turns into the list WindowStats keeps
-            hits, c, ttft, queue = fast.run_window(a, b)
-            self._pending_ttft.extend(ttft)
-            self._pending_queue.extend(queue)
-            counts = (c.evictions, c.bypasses, c.inserted, c.mae_by_type, c.mae_output, fast.occupancy_by_type,
-                      len(fast))
-            mae_by_queue, by_queue = c.mae_by_queue, fast.occupancy_by_queue()
-        else:
-            cache = self._cache
-            cache.reset_counters()
-            hits = self._replay_timed(a, b) if self.server is not None else self._replay_instant(a, b)
-        self.next_request = b
-        if self.done and self.server is not None and self._fast is None:
-            self._finish()
-        self.wall_s += time.perf_counter() - start
+        collecting = gc.isenabled()
+        gc.disable()  # no cyclic collection inside wall_s (see wall_s)
+        try:
+            start = time.perf_counter()
+            if self._fast is not None:
+                fast = self._fast
+                # hits: an array, which _stats turns into the list WindowStats keeps
+                hits, c, ttft, queue = fast.run_window(a, b)
+                self._pending_ttft.extend(ttft)
+                self._pending_queue.extend(queue)
+                counts = (c.evictions, c.bypasses, c.inserted, c.mae_by_type, c.mae_output, fast.occupancy_by_type,
+                          len(fast))
+                mae_by_queue, by_queue = c.mae_by_queue, fast.occupancy_by_queue()
+            else:
+                cache = self._cache
+                cache.reset_counters()
+                hits = self._replay_timed(a, b) if self.server is not None else self._replay_instant(a, b)
+            self.next_request = b
+            if self.done and self.server is not None and self._fast is None:
+                self._finish()
+            self.wall_s += time.perf_counter() - start
+        finally:
+            if collecting:
+                gc.enable()
         if self._fast is None:
             counts = (cache.evictions, cache.bypasses, cache.inserted, list(cache.miss_after_eviction),
                       cache.output_miss_after_eviction, list(cache.occupancy_by_type), len(cache))

@@ -4,6 +4,7 @@ mode, never below the request's own prefill cost, lower with more hits)."""
 
 from __future__ import annotations
 
+import gc
 import math
 
 import numpy as np
@@ -16,6 +17,7 @@ from reference_cache import reference_replay_timed
 from sae_env.cache import PrefixCache
 from sae_env.metrics import summarize
 from sae_env.policies import make_policy, policy_names
+from sae_env.policies.lru import LRUPolicy
 from sae_env.replay import Replay, replay
 from sae_env.serving import make_server
 
@@ -210,6 +212,31 @@ def test_window_callbacks_and_stepping():
     assert seen == [(0, 2, 2), (1, 2, 4), (2, 1, 5)]
     with pytest.raises(RuntimeError):
         r.step()
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_no_garbage_collection_inside_a_window(collecting):
+    """wall_s never holds a cyclic collection triggered by earlier work: the collector is paused while a window
+    replays and left as it was after, also when the policy raises."""
+    seen = []
+
+    class Spy(LRUPolicy):
+        def on_request(self, trace, i, now):
+            seen.append(gc.isenabled())
+            if i == 3:
+                raise KeyError("spy")
+
+    was = gc.isenabled()
+    try:
+        gc.enable() if collecting else gc.disable()
+        r = Replay(build_trace([[0, 1]] * 5), PrefixCache(4, Spy()), window_requests=2)
+        r.step()
+        assert seen == [False, False] and gc.isenabled() is collecting
+        with pytest.raises(KeyError, match="spy"):
+            r.step()
+        assert seen == [False] * 4 and gc.isenabled() is collecting
+    finally:
+        gc.enable() if was else gc.disable()
 
 
 @pytest.mark.parametrize("kw", [{"window_requests": 0}, {"window_requests": True}, {"window_seconds": 0.0},
