@@ -162,6 +162,7 @@ class SAECachePolicy(EvictionPolicy):
                          "pe_routing": bool(pe_routing)}
         self._multi, self._typed = self.switches["multi_queue"], self.switches["type_weights"]  # hot-path copies
         self._continuation, self._density = self.switches["continuation"], self.switches["density"]
+        self._decay = self.switches["position_decay"]
         # Structural groups are sampled where a block's offset weighs its score (the paper's position decay);
         # otherwise every block of a group shares one score function of idle time, as in the temporal groups,
         # and they are kept like them (leaves listed, oldest and newest candidates).
@@ -568,14 +569,14 @@ class SAECachePolicy(EvictionPolicy):
         # Blocks a request released together share their idle time, so one density evaluation per (group, release
         # time) serves the whole run of evictions at this instant (structural blocks then weigh it by offset).
         memo = self._memo if kind == _DENSITY else None
-        decay = self._gamma if self.switches["position_decay"] and _queue_of(g) == ST else None
+        decay = self._gamma if self._decay and _queue_of(g) == ST else None
         for b in cands:  # the priority() formula, with the group's constants
             if memo is not None:
-                score = memo.get((g, b.last_access))
+                at = (g, b.last_access)
+                score = memo.get(at)
                 if score is None:
                     dt = now - b.last_access
-                    score = memo[(g, b.last_access)] = coef * c1.density(c2, dt if dt > min_dt else min_dt,
-                                                                           self.horizon)
+                    score = memo[at] = coef * c1.density(c2, dt if dt > min_dt else min_dt, self.horizon)
                 if decay is not None:
                     score *= 1.0 - b.pdata ** decay
             else:
@@ -619,7 +620,7 @@ class SAECachePolicy(EvictionPolicy):
                 # A structural scan parks the inner nodes it meets, so a second scan samples further: it runs at
                 # every instant, as it always did.
                 if g in dirty or cb is None or (rescore and self._st_sampled and _queue_of(g) == ST) \
-                        or any(b.stamp != s or b.pins or b.n_children for b, s in cb):
+                        or _moved(cb):
                     best = self._best(g, now)
                 elif rescore:
                     best = self._least(g, [b for b, _ in cb], now)
@@ -895,6 +896,14 @@ def _survival(kind: int, c1: float, c2: float, dt: float, x: float | None) -> fl
     if kind == _POSITION:  # c1 = gamma, x = the block's relative offset
         return 1.0 - x ** c1
     return 1.0
+
+
+def _moved(held: list[tuple[Block, int]]) -> bool:
+    """Whether a group's held candidates changed since they were chosen (re-released, pinned or given a child)."""
+    for b, s in held:  # a loop, not any() over a generator: evict asks this of every group at every instant
+        if b.stamp != s or b.pins or b.n_children:
+            return True
+    return False
 
 
 def _live_end(lst: _RecencyList, end: int) -> Block | None:

@@ -33,6 +33,7 @@ __all__ = ["ExponentialGaps", "LognormalGaps", "alive_posterior", "hit_density",
 
 _SQRT2 = math.sqrt(2.0)
 _TINY = 1e-300
+_log, _erfc = math.log, math.erfc  # density's calls, without a module lookup each (Python engine)
 
 
 def lognormal_sf(dt: float, mu: float, sigma: float) -> float:
@@ -94,19 +95,19 @@ class LognormalGaps:
         time (the same expressions, so the same floats as :meth:`_density`, which the exponential gaps use)."""
         if dt <= 0.0 or horizon <= 0.0:
             return self._density(p, dt, horizon)
-        s2 = self._s2
-        log_now = math.log(dt)
-        s_now = 0.5 * math.erfc((log_now - self.mu) / s2)
+        s2, mu = self._s2, self.mu
+        log_now = _log(dt)
+        s_now = 0.5 * _erfc((log_now - mu) / s2)
         if s_now < _TINY:
             return 0.0
         alive = p * s_now
         pi = alive / (1.0 - p + alive) if alive > 0.0 else 0.0
         end = dt + horizon
-        log_end = math.log(end)
-        s_end = 0.5 * math.erfc((log_end - self.mu) / s2)
+        log_end = _log(end)
+        s_end = 0.5 * _erfc((log_end - mu) / s2)
         hit = pi * (s_now - s_end) / s_now
         mean, shift = self._mean, self._shift
-        alive_time = (mean * 0.5 * math.erfc((log_now - shift) / s2) - mean * 0.5 * math.erfc((log_end - shift) / s2)
+        alive_time = (mean * 0.5 * _erfc((log_now - shift) / s2) - mean * 0.5 * _erfc((log_end - shift) / s2)
                       + end * s_end) / s_now - dt
         held = pi * max(alive_time, 0.0) + (1.0 - pi) * horizon
         return hit / held if held > 0.0 else 0.0
