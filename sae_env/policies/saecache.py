@@ -622,6 +622,8 @@ class SAECachePolicy(EvictionPolicy):
                 if g in dirty or cb is None or (rescore and self._st_sampled and _queue_of(g) == ST) \
                         or _moved(cb):
                     best = self._best(g, now)
+                elif not cb:
+                    continue  # no candidate then, so none now: a block joining it would have made it dirty
                 elif rescore:
                     best = self._least(g, [b for b, _ in cb], now)
                 else:
