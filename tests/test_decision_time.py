@@ -20,6 +20,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(("args", "says"), [
     (("--runs", "0"), "--runs must be at least 1, got 0"),
     (("--traces", ","), "--traces: no trace named"),
+    (("--warmup", "-1"), "--warmup must be at least 0, got -1"),
     (("--policy", "lpc"), "--policy and --against are both 'lpc'"),
     (("--traces", "no_such_trace", "--runs", "1"), "no_such_trace: say which format no_such_trace is in"),
     (("--traces", "taubench", "--runs", "1", "--policy-opt", "bogus=1"), "taubench: --policy-opt bogus: none of lpc"),
@@ -46,5 +47,7 @@ def test_one_run_prints_the_ratio_of_the_two_replays(tmp_path):
     assert lo <= median <= hi
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("ratio_max=") and abs(float(last.split("=")[1]) - median) <= 0.005  # the row rounds it
-    runs = json.loads(out.read_text())["runs"]["mooncake_arxiv"]
+    saved = json.loads(out.read_text())
+    runs = saved["runs"]["mooncake_arxiv"]
+    assert saved["warmup"] == 1  # the default: its run is not among the two
     assert len(runs) == 2 and all(set(r) == {"lpc", "saecache"} and min(r.values()) > 0 for r in runs)
