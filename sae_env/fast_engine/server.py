@@ -196,6 +196,32 @@ def _batch_time(sv, n_sum, pairs, kv, nc):
 
 
 # -- the scheduler ---------------------------------------------------------------------------------------------------
+class Sched(NamedTuple):
+    """The part of the server that forming an iteration reads and writes (the queue's rows, the scalars, the cost
+    model), for :func:`_run_iteration`, which the kernels call rather than inline: a call copies every array it is
+    passed, and the whole server is 21 of them (inlining it instead made each timed kernel compile for longer)."""
+    rem: np.ndarray
+    ctx: np.ndarray
+    t_start: np.ndarray
+    t_first: np.ndarray
+    qdelay: np.ndarray
+    si: np.ndarray
+    sf: np.ndarray
+    kind: int
+    cf: np.ndarray
+    xs: np.ndarray
+    cs: np.ndarray
+    rows: np.ndarray
+    tail: np.ndarray
+
+
+@inline
+def sched(sv):
+    """The Sched of server ``sv`` (the same arrays)."""
+    return Sched(sv.rem, sv.ctx, sv.t_start, sv.t_first, sv.qdelay, sv.si, sv.sf, sv.kind, sv.cf, sv.xs, sv.cs,
+                 sv.rows, sv.tail)
+
+
 @inline
 def submit(sv, i, t_arrival, new_tokens, cached_tokens):
     """PrefillServer.submit (request ``i`` is the next one: the queue is a range of request ids)."""
@@ -213,7 +239,8 @@ def submit(sv, i, t_arrival, new_tokens, cached_tokens):
 
 @jit
 def _run_iteration(sv, t):
-    """PrefillServer._run_iteration: form and run the next iteration; returns its start time."""
+    """PrefillServer._run_iteration: form and run the next iteration; returns its start time (``sv``: the server's
+    Sched)."""
     si, sf = sv.si, sv.sf
     head = si[QHEAD]
     s = max(sf[FREE_AT], t[head])
@@ -268,7 +295,7 @@ def advance_to(sv, t, now):
         raise ValueError("compiled server: time goes backwards")
     sv.sf[MIN_ARR] = now
     while sv.si[QHEAD] < sv.si[QTAIL] and max(sv.sf[FREE_AT], t[sv.si[QHEAD]]) < now:
-        _run_iteration(sv, t)
+        _run_iteration(sched(sv), t)
 
 
 @jit
@@ -276,8 +303,9 @@ def drain(sv, t):
     """PrefillServer.drain: run everything queued."""
     s = -1.0
     ran = False
+    sc = sched(sv)
     while sv.si[QHEAD] < sv.si[QTAIL]:
-        s = _run_iteration(sv, t)
+        s = _run_iteration(sc, t)
         ran = True
     if ran:
         sv.sf[MIN_ARR] = max(sv.sf[MIN_ARR], np.nextafter(s, math.inf))
