@@ -199,7 +199,7 @@ def _batch_time(sv, n_sum, pairs, kv, nc):
 class Sched(NamedTuple):
     """The part of the server that forming an iteration reads and writes (the queue's rows, the scalars, the cost
     model), for :func:`_run_iteration`, which the kernels call rather than inline: a call copies every array it is
-    passed, and the whole server is 21 of them (inlining it instead made each timed kernel compile for longer)."""
+    passed, and the whole server holds 20 (inlining it instead made each timed kernel compile for longer)."""
     rem: np.ndarray
     ctx: np.ndarray
     t_start: np.ndarray
