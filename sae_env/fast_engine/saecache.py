@@ -414,9 +414,12 @@ def _request(ps, c, j, now):
     si[OQ] = q
     si[SLOT] = ps.req_slot[j]
     si[NPROMPT] = ps.n_prompt[j]
-    if f & STRUCTURAL:
+    if f & STRUCTURAL:  # SAECachePolicy.on_request: the structural groups' density moved, no other group's
         sf[PST] = ps.req_pst[j]
-        _changed(ps)
+        for g in range(ST * _TYPES, (ST + 1) * _TYPES):
+            ps.gep[g] = -1  # rescored at the next selection
+            ps.gdirty[g] = 1  # a sampled one scanned again (an unsampled one is rescored over its candidates)
+        si[STALE] = 1
 
 
 @implements(SAEState, "on_complete")

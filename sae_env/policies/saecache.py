@@ -97,6 +97,7 @@ _STRUCTURAL_TYPES = (TokenType.SYSTEM, TokenType.TEMPLATE)
 _COMPACT_MIN = 1 << 18  # released blocks before the first compaction of the recency lists (a few MB of entries)
 _CONSTANT, _LOGNORMAL, _EXPONENTIAL, _POSITION, _DENSITY = range(5)  # kinds of ranking term (see _constants)
 GROUP_SLOT = _SLOT = 64  # group id = queue_type_code(queue, type) + _SLOT * slot: the code fits below _SLOT
+_ST_GROUPS = tuple(range(ST * TYPE_SLOTS, (ST + 1) * TYPE_SLOTS))  # the structural groups (no continuation bin)
 _REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)  # plain ints: enum lookups cost more
 
 PARAM_SPECS: tuple[ParamSpec, ...] = (
@@ -283,10 +284,18 @@ class SAECachePolicy(EvictionPolicy):
         self._slot = slot
         self._n_prompt = arrivals.n_prompt_of[i]
         if structural:
-            for g in [g for g in self._consts if _queue_of(g) == ST]:
-                del self._consts[g]  # their density moved: rescored at the next eviction
-            self._cand_now = None
-            self._memo_now = None  # the memo holds their old scores, also at this same instant
+            # The structural groups' density moved, no other group's: the next eviction scans them again, and the
+            # other groups keep their keys if the clock stands still (evict's fast path waits for that scan).
+            lists, consts, dirty = self._lists, self._consts, self._dirty
+            scored = False
+            for g in _ST_GROUPS:
+                if consts.pop(g, None) is not None:
+                    scored = True
+                if g in lists:
+                    dirty.add(g)
+            if scored:
+                self._memo.clear()  # it holds their old scores, also at this same instant
+            self._stale = True
 
     def on_complete(self, trace: Trace, i: int, now: float) -> None:
         arrivals = self.arrivals
@@ -597,8 +606,8 @@ class SAECachePolicy(EvictionPolicy):
             # hence the same score) and a leaf now: its key is the last victim's but for the next stamp, and every
             # other candidate's key was above the last victim's with a stamp that is not this one, so it is the
             # least key: the victim a scan would choose, without the scan. (A structural group's candidates are a
-            # sample: there the parent's key is at most that of any block its scan could sample.) Any acquire,
-            # release or clock change voids _cand_now or sets _stale.
+            # sample: there the parent's key is at most that of any block its scan could sample.) A clock change
+            # voids _cand_now; an acquire, a release or a structural arrival (on_request) sets _stale.
             if self._cand_now == now and not self._stale and up.stamp == self._next_stamp and not up.pins \
                     and not up.n_children:
                 if self._deferred is up:
