@@ -162,6 +162,7 @@ class SAECachePolicy(EvictionPolicy):
                          "continuation_features": bool(continuation_features), "censoring": bool(censoring),
                          "pe_routing": bool(pe_routing)}
         self._multi, self._typed = self.switches["multi_queue"], self.switches["type_weights"]  # hot-path copies
+        self._st_groups = _ST_GROUPS if self._typed else _ST_GROUPS[:1]  # untyped: one structural group
         self._continuation, self._density = self.switches["continuation"], self.switches["density"]
         self._decay = self.switches["position_decay"]
         # Structural groups are sampled where a block's offset weighs its score (the paper's position decay);
@@ -288,7 +289,7 @@ class SAECachePolicy(EvictionPolicy):
             # other groups keep their keys if the clock stands still (evict's fast path waits for that scan).
             lists, consts, dirty = self._lists, self._consts, self._dirty
             scored = False
-            for g in _ST_GROUPS:
+            for g in self._st_groups:
                 if consts.pop(g, None) is not None:
                     scored = True
                 if g in lists:
