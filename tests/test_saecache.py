@@ -26,13 +26,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import lognorm
 
-from sae_env.cache import Block, PrefixCache
+from sae_env.cache import Block, PrefixCache, resolve_capacity
 from sae_env.policies import make_policy, saecache
 from sae_env.policies.arrivals import slot_p
 from sae_env.policies.saecache import AG, CH, PAPER, PARAM_SPECS, PE, ST, SAECachePolicy
 from sae_env.replay import Replay
 from sae_env.serving import make_server
-from sae_env.sources import load_source
+from sae_env.sources import load_source, open_trace
 from sae_env.trace import AppType, TokenType, Trace, TraceBuilder, chain_requests
 
 SERVER = "qwen2.5-1.5b@a40"
@@ -211,6 +211,31 @@ def test_a_prefix_use_at_the_instant_of_earlier_evictions_rescores_structural_bl
                   prompt_offsets=np.array(offsets), prompt_keys=np.array(keys, dtype=np.int64),
                   prompt_types=np.array(types, dtype=np.int8), block_size=BS)
     run(trace, 5, strict_temporal=True, lognormal=False, continuation_features=False, predictor=None, sample=1)
+
+
+def test_a_shared_prefix_use_rescores_only_the_structural_groups():
+    """Every request of mooncake_arxiv uses a shared prefix, which moves the structural groups' density and no other
+    group's. So an eviction finds a new clock (every group's candidates rescored) only at a new time or after the
+    constants moved (a refit): it found one after every such arrival, twice LPC's replay time on the Python engine."""
+    trace, _ = open_trace("mooncake_arxiv")
+    trace = trace[:300]
+    policy = make_policy("saecache")
+    changed, clocks, times = [0], [0], set()
+    inner_evict, inner_changed = policy.evict, policy._changed
+
+    def evict(now):
+        clocks[0] += policy._cand_now != now
+        times.add(now)
+        return inner_evict(now)
+
+    def on_changed():
+        changed[0] += 1
+        inner_changed()
+
+    policy.evict, policy._changed = evict, on_changed
+    Replay(trace, PrefixCache(resolve_capacity(0.1, trace.distinct_blocks()), policy), engine="python").run()
+    assert policy.arrivals._prefix_uses == len(trace)  # the case in point: every arrival is a structural one
+    assert 0 < clocks[0] <= len(times) + changed[0]
 
 
 def record_victims(policy) -> list[int]:
