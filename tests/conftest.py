@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
+from sae_env import fast_engine
 from sae_env.trace import AppType, Trace, chain_requests
 
 BS = 16  # tokens per block: the engine's timed mode turns blocks into tokens with it
@@ -112,6 +116,35 @@ def prefix_traces(draw, max_requests: int = 24, max_prompt: int = 6, max_output:
     else:
         times, out_extra = None, None
     return build_trace(prompts, outs, times, tails=tails, out_extra=out_extra)
+
+
+# Kernels in the reverse of the order in which the suite first needs them (tests/test_agents.py, then
+# tests/test_env.py: measured), so that this process and the tests compile different kernels and meet once in the
+# middle, not race for each one (the same order made the tests compile most kernels anyway, next to this process).
+WARM_ORDER = ("lpc:timed,when-oracle:instant,session-oracle:instant,reuse-oracle:instant,belady:instant,"
+              "s3fifo:instant,fifo:instant,lfu:instant,lru:instant,when-oracle:timed,session-oracle:timed,"
+              "reuse-oracle:timed,belady:timed,s3fifo:timed,fifo:timed,lfu:timed,lru:timed,lpc:instant,"
+              "saecache:timed,saecache:instant")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the compiled engine's kernels in a process of their own while the tests run: the suite is one
+    process, CI has two cores, and a clean checkout spends about 190 s compiling kernels (4-9 s each, SAECache's
+    about 25 s) inside the tests that first need them; a test then loads its kernel from numba's disk cache instead.
+    It changes no result (a kernel compiled here or in the test is the same machine code), only when the compiling
+    happens. SAECACHE_GYM_NO_WARM=1 turns it off."""
+    if os.environ.get("SAECACHE_GYM_NO_WARM") or not fast_engine.AVAILABLE or hasattr(session.config, "workerinput"):
+        return
+    session.config._warm = subprocess.Popen(
+        [sys.executable, "-m", "sae_env.precompile", "--kernels", WARM_ORDER],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    warm = getattr(session.config, "_warm", None)
+    if warm is not None and warm.poll() is None:
+        warm.kill()
+        warm.wait()
 
 
 @pytest.fixture(scope="session")
