@@ -5,6 +5,9 @@
   is closer to the truth than counting a session that has not come back yet as ended (LPC's counting).
 * It never reads the future: the answers for the first k requests are the same on the trace and on the trace cut
   after request k, at every k tried, and the features of a request do not change when later requests change.
+* Timed refits: a model whose last refit lies a typical gap back refits at the next arrival, offer or not; at the end
+  of a trace, where arrivals thin out, that keeps the late turns' rates near the truth (offers alone let them drift
+  up).
 * Invariants under hypothesis: probabilities and rates in (0, 1), the per-turn pending counts and soft weights
   agree with the pending set after any sequence of arrivals and updates.
 * Bad options raise ValueError; a predictor's answer is a feature of first requests only.
@@ -131,7 +134,7 @@ def test_between_refits_only_the_counts_move():
     offer refits: the soft weights, the horizon's labels and beta."""
     trace = sessions_trace(120, seed=6)
     gaps = (LognormalGaps(MU, SIGMA),) * 2
-    model = ContinuationModel(refit_growth=1.0)
+    model = ContinuationModel(refit_growth=1.0, timed_refit=False)  # offers only (timed refits: tests below)
     model.bind(trace)
     due = set(refit_offers(ContinuationModel(refit_growth=1.0), len(trace)))  # 1, 2, 4, 8, 16, 32, 48, ...
     last = None
@@ -149,6 +152,64 @@ def test_between_refits_only_the_counts_move():
                 for k in ("beta", "pending", "pending_w", "labelled", "rates", "alive"):
                     np.testing.assert_array_equal(state[k], last[k])
     assert model._offers == len(trace) // 10
+
+
+def replay_as_saecache(trace: Trace, model: ContinuationModel) -> ContinuationModel:
+    """Arrivals as SAECache's (sae_env.policies.arrivals) make them: an update offer every 64th arrival, and an
+    update at any arrival that finds the model stale."""
+    gaps = (LognormalGaps(MU, SIGMA),) * 2
+    model.bind(trace)
+    for k, now in enumerate(trace.t.tolist(), start=1):
+        offer = k % 64 == 0
+        if offer or model.stale(now, gaps):
+            model.update(now, gaps, offer=offer)
+        model.arrive(k - 1, now)
+    return model
+
+
+def test_a_stale_model_refits_without_an_offer():
+    """With timed_refit the model refits at an arrival that finds its last refit more than exp(mu) back (the chat
+    gaps' median), offer or not, and not before; without it, only at the offers its schedule makes due."""
+    trace = sessions_trace(60, seed=5)
+    gaps = (LognormalGaps(MU, SIGMA),) * 2
+    for timed in (True, False):
+        model = ContinuationModel(timed_refit=timed)
+        model.bind(trace)
+        assert math.isnan(model.last_refit) and not model.stale(1e9, gaps)  # no clock before the first refit
+        for i in range(40):
+            model.arrive(i, float(trace.t[i]))
+        t0 = float(trace.t[39])
+        model.update(t0, gaps)  # the first offer: due
+        assert model.last_refit == t0
+        assert model.stale_after(gaps) == (math.exp(MU) if timed else math.inf)
+        before = model.export_state()
+        model.update(t0 + 0.99 * math.exp(MU), gaps, offer=False)
+        after = model.export_state()
+        for k in ("pending", "pending_w", "beta", "rates", "refit_t"):
+            np.testing.assert_array_equal(before[k], after[k])
+        later = t0 + 1.01 * math.exp(MU)
+        assert model.stale(later, gaps) == timed
+        model.update(later, gaps, offer=False)
+        after = model.export_state()
+        assert (model.last_refit == later) == timed
+        moved = not np.array_equal(before["pending_w"], after["pending_w"])  # the idle ones' weights fell
+        assert moved == timed
+
+
+@pytest.mark.parametrize("seed", [0, 2, 5])
+def test_timed_refits_keep_the_late_rates_honest_as_arrivals_thin_out(seed):
+    """At the end of a trace no session starts and the open ones wind down: arrivals thin out. Refitting by the
+    count of arrivals alone leaves every session that ended since the last refit counted as alive with the weight
+    it had then, and the late turns' rates drift up (0.94-0.97 at turn 8+, truth 0.8); refitting on the clock as
+    well keeps them near the truth."""
+    trace = sessions_trace(200, seed=seed)
+    truth = np.array([TRUE_P[k] for k in range(2, 9)])
+    error = {timed: float(np.abs(replay_as_saecache(trace, ContinuationModel(features=False, refit_growth=0.5,
+                                                                            timed_refit=timed)).rates[2:9]
+                                 - truth).mean())
+             for timed in (False, True)}
+    assert error[False] > 0.06
+    assert error[True] < 0.6 * error[False]
 
 
 def test_features_of_a_request_ignore_later_requests():

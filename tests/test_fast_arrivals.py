@@ -7,6 +7,8 @@ labelled buffer trimmed (a small buffer), the pending arrays grown, refits and z
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -30,7 +32,8 @@ def arrivals_for(trace: Trace, buffer: int | None = None, **options) -> Arrivals
     a = Arrivals(**options)
     if buffer is not None and a.model is not None:
         m = a.model
-        a.model = ContinuationModel(features=m.features, censoring=m.censoring, buffer=buffer)
+        a.model = ContinuationModel(features=m.features, censoring=m.censoring, buffer=buffer,
+                                    timed_refit=m.timed_refit)
     gaps = gap_models(DEFAULTS)
     a.gaps = (gaps[2], gaps[3])
     a.bind(trace)
@@ -92,7 +95,8 @@ def test_small_buffer_and_growth_give_the_same_arrivals():
 @given(trace=session_traces(max_requests=80), cuts=st.lists(st.integers(0, 80), max_size=4),
        options=st.fixed_dictionaries({"continuation": st.booleans(), "density": st.booleans(),
                                       "continuation_features": st.booleans(), "censoring": st.booleans(),
-                                      "pe_routing": st.booleans(), "multi_queue": st.booleans()}),
+                                      "timed_refit": st.booleans(), "pe_routing": st.booleans(),
+                                      "multi_queue": st.booleans()}),
        buffer=st.sampled_from([None, 2, 5]))
 def test_random_traces_give_the_same_arrivals(trace, cuts, options, buffer):
     ref, fast = arrivals_for(trace, buffer, **options), arrivals_for(trace, buffer, **options)
@@ -116,13 +120,28 @@ def test_pending_out_of_arrival_order_stays_in_python():
 
 
 
+def expected_refits(trace: Trace, growth: float, stale_after: float) -> list[float]:
+    """When the continuation model refits, by its rule restated: at an update offer (every 64th arrival) that its
+    ``refit_growth`` schedule makes due, or at any arrival more than ``stale_after`` after its last refit."""
+    schedule, last, out = ContinuationModel(refit_growth=growth), math.nan, []
+    for k, now in enumerate(trace.t.tolist(), start=1):
+        due = k % 64 == 0 and schedule.update_due()
+        if due or now - last > stale_after:
+            out.append(now)
+            last = now
+    return out
+
+
+@pytest.mark.parametrize("timed", [False, True])
 @pytest.mark.parametrize("growth", [0.0, 0.5, 1.0])
-def test_the_compiled_arrivals_hand_back_only_the_refits_the_schedule_makes_due(growth, monkeypatch):
-    """run() counts the update offers itself and returns to Python only at the offers where the model's
-    ``update_due`` says yes (every offer at growth 0, 11 of mooncake_synthetic's 62 at 0.5): the same refits as the
-    Python arrivals, at the same requests."""
+def test_the_compiled_arrivals_hand_back_only_the_refits_the_model_makes_due(growth, timed, monkeypatch):
+    """run() counts the update offers itself and returns to Python only where the model refits: at the offers its
+    ``update_due`` says yes to (every offer at growth 0, 11 of mooncake_synthetic's 62 at 0.5) and, with
+    ``timed_refit``, at the arrivals that find its last refit more than ``stale_after`` back: the same refits as
+    the Python arrivals, at the same requests, and as the rule restated."""
     trace, _ = open_trace("mooncake_synthetic")
-    ref, fast = arrivals_for(trace, refit_growth=growth), arrivals_for(trace, refit_growth=growth)
+    ref = arrivals_for(trace, refit_growth=growth, timed_refit=timed)
+    fast = arrivals_for(trace, refit_growth=growth, timed_refit=timed)
     ref_refits, handed_back = [], []
     update_pending = ContinuationModel.update_pending
 
@@ -141,8 +160,10 @@ def test_the_compiled_arrivals_hand_back_only_the_refits_the_schedule_makes_due(
     want = python_rows(ref, trace)
     got, c = compiled_rows(fast, trace, [1000, 2500])
     assert got == want
+    assert handed_back == ref_refits == expected_refits(trace, growth, ref.model.stale_after(ref.gaps))
     schedule = ContinuationModel(refit_growth=growth)
     due = [k for k in range(len(trace) // 64) if schedule.update_due()]
-    assert handed_back == ref_refits and len(ref_refits) == len(due)
     assert len(due) == (62 if growth == 0 else 11 if growth == 0.5 else 7)
+    # refitting at every offer leaves no pause that long here; the sparser schedules' pauses add refits
+    assert len(ref_refits) == len(due) + (0 if not timed or growth == 0 else 3 if growth == 0.5 else 5)
     same_state(c.save().export_state(), ref.export_state())

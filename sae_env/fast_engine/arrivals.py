@@ -2,7 +2,8 @@
 model's ``arrive`` and ``p``): a window's requests in one call, the same floats in the same order.
 
 What stays in Python is what runs once per many arrivals: the continuation model's refit (at the update offers,
-every ``REFIT_EVERY`` arrivals, that its ``refit_growth`` schedule makes due, counted here as the model counts them:
+every ``REFIT_EVERY`` arrivals, that its ``refit_growth`` schedule makes due, counted here as the model counts them,
+and at an arrival where its last refit lies more than its ``stale_after`` back:
 the requests idle past the horizon labelled ended, the rates' EM steps and the Newton steps of the correction, in
 numpy) and the block of ``z @ beta`` that ``p`` reads (1024 requests at a time). :func:`run` stops at
 the request that needs one of them, :class:`CompiledArrivals` does it through the Python model's own methods, and the
@@ -42,7 +43,9 @@ DONE, REFIT_DUE, NEED_ZB, NEED_ROOM = range(4)  # why run() returned
 # model's refit schedule: update offers so far, the offer it refits at next (ContinuationModel.update_due).
 ARRIVALS, PREFIX_USES, PREFIX_REUSED, PQ_N, LAB_N, ZB_FROM, ZB_LEN, REFIT_DONE, SESS_NEXT, LAST_NEXT, OFFERS, \
     NEXT_REFIT = range(12)
-P_ST = 0  # float scalars: the structural continuation rate
+# Float scalars: the structural continuation rate, the model's last refit (NaN: none yet) and how long after it
+# the model is stale (ContinuationModel.stale_after, set by CompiledArrivals.run: the gaps move between windows).
+P_ST, REFIT_T, STALE_AFTER = range(3)
 # Options: a continuation model, the hit density, PE routing, multi_queue, censoring, features, buffer.
 HAS_MODEL, DENSITY, PE_ROUTING, MULTI, CENSORING, FEATURES, BUFFER = range(7)
 THRESHOLD, PRIOR_A, PRIOR_B, GROWTH = range(4)  # float options: continue_threshold, prior, refit_growth
@@ -198,6 +201,8 @@ def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
                 if o >= ai[NEXT_REFIT]:  # ContinuationModel.update_due
                     ai[NEXT_REFIT] = o + max(1, min(MAX_REFIT_GAP, int(o * st.optf[GROWTH])))
                     return i, REFIT_DUE
+            if now - st.af[REFIT_T] > st.af[STALE_AFTER]:  # ContinuationModel.stale (False while REFIT_T is NaN)
+                return i, REFIT_DUE
             if opt[FEATURES] and not (ai[ZB_FROM] <= i < ai[ZB_FROM] + ai[ZB_LEN]):
                 return i, NEED_ZB
             if ai[PQ_N] == st.pq_req.size:
@@ -311,6 +316,7 @@ class CompiledArrivals:
             bucket, prior = model.turn_buckets, model.prior
             censoring, features, buffer = model.censoring, model.features, model.buffer
             offers, next_refit, growth = int(state["model_offers"]), int(state["model_next_refit"]), model.refit_growth
+            refit_t = model.last_refit
         else:
             pq_req, pq_t, pq_w = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1)
             rates, alive, continued, ended = np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1)
@@ -320,6 +326,7 @@ class CompiledArrivals:
             bucket = np.zeros(1, dtype=np.int8)
             prior, censoring, features, buffer = (1.0, 1.0), False, False, 1
             offers, next_refit, growth = 0, 1, 0.0
+            refit_t = math.nan
         ai = np.array([state["arrivals"], state["prefix_uses"], state["prefix_reused"],
                        pend.size if model is not None else 0, lab_n, zb_from, zb_len, 0, ids.size, n_last, offers,
                        next_refit],
@@ -328,7 +335,8 @@ class CompiledArrivals:
             queue_of=queue_of, session=session, prefix_of=prefix_of, bucket=bucket, sess_t=sess_t, sess_q=sess_q,
             sess_rank=sess_rank, last_req=last_req, last_rank=last_rank, prefix_last=prefix_last, gap=gap,
             pq_req=pq_req, pq_t=pq_t, pq_w=pq_w, rates=rates, alive=alive, continued=continued, ended=ended,
-            n_pending=n_pending, lab_i=lab_i, lab_y=lab_y, zb=zb, ai=ai, af=np.array([state["p_structural"]]),
+            n_pending=n_pending, lab_i=lab_i, lab_y=lab_y, zb=zb, ai=ai,
+            af=np.array([state["p_structural"], refit_t, math.inf]),
             opt=np.array([model is not None, arrivals.density, arrivals.pe_routing, arrivals.multi_queue, censoring,
                           features, buffer], dtype=np.int64),
             optf=np.array([arrivals.continue_threshold, prior[0], prior[1], growth]))
@@ -338,6 +346,8 @@ class CompiledArrivals:
         """Requests ``a .. b-1`` arrive (at their trace times): what :meth:`Arrivals.arrive` returns for each, in
         ``out_*[i]`` (the structural rate after it in ``out_pst``)."""
         times = self.arrivals.trace.t
+        if self.arrivals.model is not None:
+            self.state.af[STALE_AFTER] = self.arrivals.model.stale_after(self.arrivals.gaps)
         i = a
         while True:
             i, why = run(self.state, i, b, times, out_q, out_slot, out_flags, out_pst)
@@ -371,8 +381,8 @@ class CompiledArrivals:
         return st.pq_req[:n][live], st.pq_t[:n][live], st.pq_w[:n][live]
 
     def _refit(self, now: float) -> None:
-        """ContinuationModel.update at an offer that run() found due, on the pending arrays (the model's
-        update_pending)."""
+        """ContinuationModel.update at an arrival where run() found the model due (an offer its schedule makes due,
+        or stale), on the pending arrays (the model's update_pending)."""
         st, model = self.state, self.arrivals.model
         self._counts_to_model()
         pend, t_pend, w_pend = self._pending()
@@ -384,6 +394,7 @@ class CompiledArrivals:
         st.rates[:], st.alive[:], st.continued[:], st.ended[:], st.n_pending[:] = (rates, alive, continued, ended,
                                                                                   n_pending)
         st.ai[LAB_N] = lab_n
+        st.af[REFIT_T] = model.last_refit
         if model.zb_block_start < 0:  # the fit moved beta: p asks for a new block
             st.ai[ZB_LEN] = 0
 

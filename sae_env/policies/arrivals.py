@@ -9,8 +9,9 @@ request loop, a window at a time, and the loop applies what it says at the same 
 Per arrival (:meth:`Arrivals.arrive`): the request's queue (chat / agent for a (predicted) multi-turn session, else
 priority-eviction), its continuation bin (the online continuation model's ``p``, on the logit scale), whether the
 policy refits its turnover time and continuation model at this arrival (every ``REFIT_EVERY`` arrivals; the model
-is offered an update here and refits by its schedule), and whether the request used a shared prefix (the structural
-queue's reuse rate moved). The gap statistics the online learners read (:meth:`window_stats`) are counted here too.
+is offered an update here and refits by its schedule; it also refits at any arrival once its last refit lies a typical
+chat gap back: see continuation.py), and whether the request used a shared prefix (the structural queue's reuse rate
+moved). The gap statistics the online learners read (:meth:`window_stats`) are counted here too.
 """
 
 from __future__ import annotations
@@ -69,13 +70,14 @@ class Arrivals:
     def __init__(self, *, multi_queue: bool = True, continuation: bool = True, density: bool = True,
                  continuation_features: bool = True, censoring: bool = True, pe_routing: bool = False,
                  continue_threshold: float = 0.5, refit_steps: int = 3, refit_growth: float = 0.5,
-                 predictor: Predictor | None = None) -> None:
+                 timed_refit: bool = True, predictor: Predictor | None = None) -> None:
         self.multi_queue, self.continuation, self.density = bool(multi_queue), bool(continuation), bool(density)
         self.pe_routing = bool(pe_routing)
         self.continue_threshold = continue_threshold
         self.predictor = predictor
         self.model = (ContinuationModel(features=continuation_features, censoring=censoring, steps=refit_steps,
-                                        refit_growth=refit_growth, predictor=predictor) if continuation else None)
+                                        refit_growth=refit_growth, timed_refit=timed_refit, predictor=predictor)
+                      if continuation else None)
         self.gaps: tuple[LognormalGaps, LognormalGaps] | None = None
         self.trace: Trace | None = None  # the trace whose per-request facts are cached (see bind)
         self.arrivals = 0
@@ -151,15 +153,15 @@ class Arrivals:
 
     def arrive(self, trace: Trace, i: int, now: float) -> tuple[int, int, bool, bool]:
         """Request ``i`` arrived at ``now``: returns its queue, its continuation bin (0: none), whether the policy
-        refits at this arrival (the continuation model is refitted here, first) and whether it used a shared prefix
-        (``p_structural`` moved)."""
+        refits at this arrival (its turnover time; the continuation model is offered an update here, first, and may
+        refit at any arrival when stale) and whether it used a shared prefix (``p_structural`` moved)."""
         if trace is not self.trace:
             self.bind(trace)
         self.arrivals += 1
         model = self.model
         refit = (self.density or model is not None) and self.arrivals % REFIT_EVERY == 0
-        if refit and model is not None:
-            model.update(now, self.gaps)
+        if model is not None and (refit or model.stale(now, self.gaps)):
+            model.update(now, self.gaps, offer=refit)
         q = self._queue_of[i]
         slot = 0
         if model is not None:

@@ -36,6 +36,15 @@ about ``1 + 1/g`` refits on everything seen (3 at SAECache's ``g = 0.5``), and t
 least ``1 / (1 + g)`` of the arrivals so far (two thirds). Between refits the counts still move at every arrival (a
 new request is pending, a returning session labels its previous request continued), so the per-turn rates do; what
 waits for the next refit is the pending requests' soft weights, the horizon's "ended" labels and ``beta``.
+
+Those three are functions of time as well as of the arrivals: a pending request's weight ``r S(c) / (1 - r + r
+S(c))`` falls as its idle time ``c`` grows, whether or not anything arrives. Counted in arrivals alone, the schedule
+leaves them as they were at the last refit for as long as arrivals are sparse (at the end of a trace, when sessions
+stop starting and the open ones wind down: every session that has ended since counts as alive with the weight it had
+then, and the late turns' rates stay high). With ``timed_refit`` (the default) the model also refits at the first
+arrival after the clock has moved on by the chat queue's typical gap ``exp(mu)`` (the log-normal's median; the
+exponential's mean) since its last refit: the time over which those weights change by a large step. Where arrivals are
+dense this never fires before the next offer; where they are sparse it adds at most one refit per typical gap.
 """
 
 from __future__ import annotations
@@ -86,7 +95,7 @@ class ContinuationModel:
 
     def __init__(self, *, features: bool = True, censoring: bool = True, max_turn: int = 8,
                  prior: tuple[float, float] = (1.0, 1.0), horizon_sigmas: float = 3.0, l2: float = 1.0,
-                 buffer: int = 4096, steps: int = 3, refit_growth: float = 0.0,
+                 buffer: int = 4096, steps: int = 3, refit_growth: float = 0.0, timed_refit: bool = True,
                  predictor: Callable[[Trace, int], Sequence[float]] | None = None):
         if isinstance(max_turn, bool) or not isinstance(max_turn, int) or max_turn < 1:
             raise ValueError(f"continuation: max_turn must be an integer >= 1, got {max_turn!r}")
@@ -109,6 +118,7 @@ class ContinuationModel:
         self.buffer = int(buffer)
         self.steps = steps
         self.refit_growth = float(refit_growth)
+        self.timed_refit = bool(timed_refit)
         self.predictor = predictor
         self.beta = np.zeros(_N_FEATURES)
         k = max_turn + 1
@@ -130,6 +140,7 @@ class ContinuationModel:
         self._lab_n = 0
         self._offers = 0  # update offers so far (see update_due)
         self._next_refit = 1  # the offer at which the model refits next
+        self._refit_t = math.nan  # the trace time of the last refit (NaN: none yet; see stale)
         self._trace: Trace | None = None
 
     # -- features ----------------------------------------------------------------------------------------------
@@ -226,7 +237,8 @@ class ContinuationModel:
         nothing yet: a copy to :meth:`import_state` into without computing the features again."""
         m = ContinuationModel(features=self.features, censoring=self.censoring, max_turn=self.max_turn,
                               prior=self.prior, horizon_sigmas=self.horizon_sigmas, l2=self.l2, buffer=self.buffer,
-                              steps=self.steps, refit_growth=self.refit_growth, predictor=self.predictor)
+                              steps=self.steps, refit_growth=self.refit_growth, timed_refit=self.timed_refit,
+                              predictor=self.predictor)
         if self._trace is not None:
             for name in ("_trace", "_session", "_bucket", "_bucket_a", "_agent_a", "_prev", "_type_counts",
                          "_first_logit"):
@@ -331,12 +343,27 @@ class ContinuationModel:
         self._next_refit = self._offers + max(1, min(MAX_REFIT_GAP, int(self._offers * self.refit_growth)))
         return True
 
-    def update(self, now: float, gaps: Sequence[LognormalGaps]) -> None:
-        """An update offer: when due (:meth:`update_due`), label sessions idle past the horizon as ended, then refit
-        the rates and the correction.
+    def stale_after(self, gaps: Sequence[LognormalGaps]) -> float:
+        """How long after its last refit the model is :meth:`stale` (infinite without ``timed_refit``)."""
+        return math.exp(gaps[0].mu) if self.timed_refit else math.inf
+
+    def stale(self, now: float, gaps: Sequence[LognormalGaps]) -> bool:
+        """Whether the last refit lies more than :meth:`stale_after` back at ``now`` (never before the first refit):
+        the model then refits at this arrival whether or not an update offer is due (module docstring)."""
+        return now - self._refit_t > self.stale_after(gaps)  # False while _refit_t is NaN
+
+    @property
+    def last_refit(self) -> float:
+        """The trace time of the last refit (NaN: none yet)."""
+        return self._refit_t
+
+    def update(self, now: float, gaps: Sequence[LognormalGaps], offer: bool = True) -> None:
+        """An arrival at ``now``, an update offer if ``offer``: when the offer is due (:meth:`update_due`) or the
+        model is :meth:`stale`, label sessions idle past the horizon as ended, then refit the rates and the
+        correction.
 
         ``gaps[q]`` is the gap distribution of queue ``q`` (0: chat, 1: agent)."""
-        if not self.update_due():
+        if not (offer and self.update_due()) and not self.stale(now, gaps):
             return
         pend_t, pend_w = self._pend_t, self._pend_w
         n = len(pend_t)
@@ -358,6 +385,7 @@ class ContinuationModel:
         """:meth:`update` once the requests idle past the horizon are labelled: the rates and the correction refitted
         on the pending requests ``pend`` (arrived at ``t_pend``, in arrival order); returns their new soft weights.
         """
+        self._refit_t = now
         agent = self._agent_a[pend]
         idle = now - t_pend
         if agent.any():
@@ -441,8 +469,8 @@ class ContinuationModel:
     def update_pending(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray,
                        w_pend: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`update` for a caller that keeps the pending requests ``pend`` (arrived at ``t_pend``, soft weights
-        ``w_pend``, in arrival order) itself, once :meth:`update_due` said so: returns which stay pending and their
-        new soft weights."""
+        ``w_pend``, in arrival order) itself, once :meth:`update_due` or :meth:`stale` said so: returns which stay
+        pending and their new soft weights."""
         over = self.expired(now, gaps, pend, t_pend)
         for i, w in zip(pend[over].tolist(), w_pend[over].tolist(), strict=True):  # ended, in arrival order
             self._unpend(i, w)
@@ -462,7 +490,8 @@ class ContinuationModel:
                 "last_requests": np.fromiter(self._last_of.values(), dtype=np.int64, count=len(self._last_of)),
                 "labelled": self._lab_i[:self._lab_n].copy(), "labels": self._lab_y[:self._lab_n].copy(),
                 # p() reads z @ beta computed over a block of rows from here: the same block, the same floats
-                "zb_from": self.zb_block_start, "offers": self._offers, "next_refit": self._next_refit}
+                "zb_from": self.zb_block_start, "offers": self._offers, "next_refit": self._next_refit,
+                "refit_t": self._refit_t}
 
     def import_state(self, state: dict[str, object]) -> None:
         """Take back an exported state; :meth:`bind` must have been called with the same trace."""
@@ -480,6 +509,7 @@ class ContinuationModel:
         self._lab_y = np.zeros(self._lab_i.size)
         self._lab_i[:lab_i.size], self._lab_y[:lab_y.size] = lab_i, lab_y
         self._offers, self._next_refit = int(state["offers"]), int(state["next_refit"])
+        self._refit_t = float(state["refit_t"])
         zb_from = int(state["zb_from"])
         self._zb, self._zb_from = None, 0
         if zb_from >= 0:

@@ -52,16 +52,18 @@ learners that set them after every window live in :mod:`agents.sae_online` (this
 need, in :meth:`window_stats`). The continuation model, the shared prefixes' reuse rate and the turnover time are
 the policy's own online estimates, part of the ranking as LPC's rates are part of LPC: updated at every arrival,
 refitted every ``REFIT_EVERY`` arrivals whatever the replay's window (see ``_refit``; the continuation model at those
-of them its ``refit_growth`` schedule picks).
+of them its ``refit_growth`` schedule picks, and at any arrival once a typical chat gap has passed since its last
+refit).
 
-Switches (ablations): ``continuation`` (off: p = 1, no continuation model), ``density`` (off: the paper's
-``p_q / dt``), ``continuation_features`` (off: per-turn rates only), ``censoring`` (off: a pending session counts
-as ended, as LPC counts), ``pe_routing`` (on: requests with p below ``continue_threshold`` go to PE),
-``type_weights`` (off: w = 1), ``adaptive_alpha`` (off: alpha = 1), ``lognormal`` (off: exponential gaps),
-``position_decay`` (off: no offset term), ``multi_queue`` (off: one temporal queue, no PE priority), ``predictor``
-(the paper's ranking: off routes first requests by rule only; under the continuation model a predictor is one of
-its features). With every switch off the policy evicts in LRU order (a test checks it against ``lru``). Not a
-switch but cost knobs: ``refit_steps`` (3), the continuation model's EM and Newton steps per refit, and
+Switches (ablations): ``continuation`` (off: p = 1, no continuation model), ``density`` (off: the paper's ``p_q / dt``),
+``continuation_features`` (off: per-turn rates only), ``censoring`` (off: a pending session counts as ended, as LPC
+counts), ``timed_refit`` (off: the continuation model refits by the count of arrivals alone, so where they thin out its
+soft weights and ended labels stay as they were at its last refit), ``pe_routing`` (on: requests with p below
+``continue_threshold`` go to PE), ``type_weights`` (off: w = 1), ``adaptive_alpha`` (off: alpha = 1), ``lognormal``
+(off: exponential gaps), ``position_decay`` (off: no offset term), ``multi_queue`` (off: one temporal queue, no PE
+priority), ``predictor`` (the paper's ranking: off routes first requests by rule only; under the continuation model a
+predictor is one of its features). With every switch off the policy evicts in LRU order (a test checks it against
+``lru``). Not a switch but cost knobs: ``refit_steps`` (3), the continuation model's EM and Newton steps per refit, and
 ``refit_growth`` (0.5): the model refits once the arrivals have grown by half since its last refit, not at every
 ``REFIT_EVERY`` arrivals (0; continuation.py's refit schedule: a bounded total cost, the same hit rates within noise).
 
@@ -147,7 +149,7 @@ class SAECachePolicy(EvictionPolicy):
     def __init__(self, *, type_weights: bool = False, adaptive_alpha: bool = False, lognormal: bool = True,
                  position_decay: bool = False, multi_queue: bool = True, predictor: Predictor | bool | None = None,
                  continuation: bool = True, density: bool = True, continuation_features: bool = True,
-                 censoring: bool = True,
+                 censoring: bool = True, timed_refit: bool = True,
                  pe_routing: bool = False, continue_threshold: float = 0.5, sample: int = 8, min_dt: float = 1e-3,
                  refit_steps: int = 3, refit_growth: float = 0.5, params: dict[str, float] | None = None) -> None:
         super().__init__()
@@ -160,7 +162,7 @@ class SAECachePolicy(EvictionPolicy):
                          "multi_queue": bool(multi_queue), "predictor": predictor is not False,
                          "continuation": bool(continuation), "density": bool(density),
                          "continuation_features": bool(continuation_features), "censoring": bool(censoring),
-                         "pe_routing": bool(pe_routing)}
+                         "timed_refit": bool(timed_refit), "pe_routing": bool(pe_routing)}
         self._multi, self._typed = self.switches["multi_queue"], self.switches["type_weights"]  # hot-path copies
         self._st_groups = _ST_GROUPS if self._typed else _ST_GROUPS[:1]  # untyped: one structural group
         self._continuation, self._density = self.switches["continuation"], self.switches["density"]
@@ -178,7 +180,8 @@ class SAECachePolicy(EvictionPolicy):
         self.arrivals = Arrivals(multi_queue=multi_queue, continuation=continuation, density=density,
                                  continuation_features=continuation_features, censoring=censoring,
                                  pe_routing=pe_routing, continue_threshold=continue_threshold,
-                                 refit_steps=refit_steps, refit_growth=refit_growth, predictor=self.predictor)
+                                 refit_steps=refit_steps, refit_growth=refit_growth, timed_refit=timed_refit,
+                                 predictor=self.predictor)
         self._lists: dict[int, _RecencyList] = {}  # group (queue-type code + _SLOT * slot) -> recency list
         self._returned: dict[int, list[tuple[int, int, Block]]] = {}  # group -> heap of (stamp, key, block)
         self._returned_new: dict[int, list[tuple[int, int, Block]]] = {}  # same blocks, newest first (-stamp)
