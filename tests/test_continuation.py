@@ -5,9 +5,9 @@
   is closer to the truth than counting a session that has not come back yet as ended (LPC's counting).
 * It never reads the future: the answers for the first k requests are the same on the trace and on the trace cut
   after request k, at every k tried, and the features of a request do not change when later requests change.
-* Timed refits: a model whose last refit lies a typical gap back refits at the next arrival, offer or not; at the end
-  of a trace, where arrivals thin out, that keeps the late turns' rates near the truth (offers alone let them drift
-  up).
+* Timed refreshes: a model whose last refit lies a typical gap back refreshes its soft weights, ended labels and rates
+  (not beta) at the next arrival, offer or not; at the end of a trace, where arrivals thin out, that keeps the late
+  turns' rates near the truth (offers alone let them drift up).
 * Invariants under hypothesis: probabilities and rates in (0, 1), the per-turn pending counts and soft weights
   agree with the pending set after any sequence of arrivals and updates.
 * Bad options raise ValueError; a predictor's answer is a feature of first requests only.
@@ -167,9 +167,10 @@ def replay_as_saecache(trace: Trace, model: ContinuationModel) -> ContinuationMo
     return model
 
 
-def test_a_stale_model_refits_without_an_offer():
-    """With timed_refit the model refits at an arrival that finds its last refit more than exp(mu) back (the chat
-    gaps' median), offer or not, and not before; without it, only at the offers its schedule makes due."""
+def test_a_stale_model_refreshes_without_an_offer():
+    """With timed_refit the model refreshes (soft weights, ended labels, rates; not beta) at an arrival that finds its
+    last refit more than exp(mu) back (the chat gaps' median), offer or not, and not before; without it, it moves
+    only at the offers its schedule makes due."""
     trace = sessions_trace(60, seed=5)
     gaps = (LognormalGaps(MU, SIGMA),) * 2
     for timed in (True, False):
@@ -194,6 +195,7 @@ def test_a_stale_model_refits_without_an_offer():
         assert (model.last_refit == later) == timed
         moved = not np.array_equal(before["pending_w"], after["pending_w"])  # the idle ones' weights fell
         assert moved == timed
+        np.testing.assert_array_equal(before["beta"], after["beta"])  # a refresh does not fit the correction
 
 
 @pytest.mark.parametrize("seed", [0, 2, 5])

@@ -145,16 +145,16 @@ def test_the_compiled_arrivals_hand_back_only_the_refits_the_model_makes_due(gro
     ref_refits, handed_back = [], []
     update_pending = ContinuationModel.update_pending
 
-    def spy(model, now, *args):
+    def spy(model, now, *args, **kw):
         ref_refits.append(now)
-        return update_pending(model, now, *args)
+        return update_pending(model, now, *args, **kw)
 
     ref.model.update_pending = spy.__get__(ref.model)
     refit = CompiledArrivals._refit
 
-    def counted_refit(self, now):
+    def counted_refit(self, now, **kw):
         handed_back.append(now)
-        return refit(self, now)
+        return refit(self, now, **kw)
 
     monkeypatch.setattr(CompiledArrivals, "_refit", counted_refit)
     want = python_rows(ref, trace)

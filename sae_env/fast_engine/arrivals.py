@@ -3,7 +3,7 @@ model's ``arrive`` and ``p``): a window's requests in one call, the same floats 
 
 What stays in Python is what runs once per many arrivals: the continuation model's refit (at the update offers,
 every ``REFIT_EVERY`` arrivals, that its ``refit_growth`` schedule makes due, counted here as the model counts them,
-and at an arrival where its last refit lies more than its ``stale_after`` back:
+and its refresh at an arrival where its last refit lies more than its ``stale_after`` back:
 the requests idle past the horizon labelled ended, the rates' EM steps and the Newton steps of the correction, in
 numpy) and the block of ``z @ beta`` that ``p`` reads (1024 requests at a time). :func:`run` stops at
 the request that needs one of them, :class:`CompiledArrivals` does it through the Python model's own methods, and the
@@ -36,7 +36,7 @@ from sae_env.policies.continuation import MAX_REFIT_GAP, P_CLIP
 
 __all__ = ["CompiledArrivals"]
 
-DONE, REFIT_DUE, NEED_ZB, NEED_ROOM = range(4)  # why run() returned
+DONE, REFIT_DUE, NEED_ZB, NEED_ROOM, STALE = range(5)  # why run() returned
 # Integer scalars: arrivals so far, shared-prefix uses and reuses, pending entries, labelled entries, the z @ beta
 # block's first request and length, whether the update offer at the next arrival was counted (run() may stop there
 # more than once), the next insertion rank of the sessions' dict and of the model's latest-request dict, and the
@@ -184,7 +184,7 @@ def _add_gap(gap, q, dt):
 def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
     """Arrivals.arrive for requests ``i0 .. i1-1`` (arriving at ``times[i]``): their queue, continuation bin, flags
     and structural rate in ``out_*[i]``. Returns ``(i, why)``: ``i`` the request it stopped at (``i1``: DONE), before
-    anything of it was done, to have its due refit run (REFIT_DUE), its z @ beta block computed
+    anything of it was done, to have its due refit run (REFIT_DUE) or its refresh (STALE), its z @ beta block computed
     (NEED_ZB) or the pending arrays grown (NEED_ROOM)."""
     st = borrow(st)  # no reference counting inside (jit.borrow says why)
     ai, opt = st.ai, st.opt
@@ -202,7 +202,7 @@ def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
                     ai[NEXT_REFIT] = o + max(1, min(MAX_REFIT_GAP, int(o * st.optf[GROWTH])))
                     return i, REFIT_DUE
             if now - st.af[REFIT_T] > st.af[STALE_AFTER]:  # ContinuationModel.stale (False while REFIT_T is NaN)
-                return i, REFIT_DUE
+                return i, STALE
             if opt[FEATURES] and not (ai[ZB_FROM] <= i < ai[ZB_FROM] + ai[ZB_LEN]):
                 return i, NEED_ZB
             if ai[PQ_N] == st.pq_req.size:
@@ -353,8 +353,8 @@ class CompiledArrivals:
             i, why = run(self.state, i, b, times, out_q, out_slot, out_flags, out_pst)
             if why == DONE:
                 return
-            if why == REFIT_DUE:
-                self._refit(float(times[i]))
+            if why == REFIT_DUE or why == STALE:
+                self._refit(float(times[i]), fit=why == REFIT_DUE)
             elif why == NEED_ZB:
                 zb = self.arrivals.model.zb_at(i)
                 self.state.zb[:zb.size] = zb
@@ -380,13 +380,13 @@ class CompiledArrivals:
         live = ~np.isnan(st.pq_w[:n])
         return st.pq_req[:n][live], st.pq_t[:n][live], st.pq_w[:n][live]
 
-    def _refit(self, now: float) -> None:
-        """ContinuationModel.update at an arrival where run() found the model due (an offer its schedule makes due,
-        or stale), on the pending arrays (the model's update_pending)."""
+    def _refit(self, now: float, fit: bool = True) -> None:
+        """ContinuationModel.update at an arrival where run() found an offer its schedule makes due (``fit``) or the
+        model stale, on the pending arrays (the model's update_pending)."""
         st, model = self.state, self.arrivals.model
         self._counts_to_model()
         pend, t_pend, w_pend = self._pending()
-        keep, soft = model.update_pending(now, self.arrivals.gaps, pend, t_pend, w_pend)
+        keep, soft = model.update_pending(now, self.arrivals.gaps, pend, t_pend, w_pend, fit=fit)
         m = soft.size
         st.pq_req[:m], st.pq_t[:m], st.pq_w[:m] = pend[keep], t_pend[keep], soft
         st.ai[PQ_N] = m

@@ -41,10 +41,12 @@ Those three are functions of time as well as of the arrivals: a pending request'
 S(c))`` falls as its idle time ``c`` grows, whether or not anything arrives. Counted in arrivals alone, the schedule
 leaves them as they were at the last refit for as long as arrivals are sparse (at the end of a trace, when sessions
 stop starting and the open ones wind down: every session that has ended since counts as alive with the weight it had
-then, and the late turns' rates stay high). With ``timed_refit`` (the default) the model also refits at the first
-arrival after the clock has moved on by the chat queue's typical gap ``exp(mu)`` (the log-normal's median; the
-exponential's mean) since its last refit: the time over which those weights change by a large step. Where arrivals are
-dense this never fires before the next offer; where they are sparse it adds at most one refit per typical gap.
+then, and the late turns' rates stay high). With ``timed_refit`` (the default) the model also refreshes them at the
+first arrival after the clock has moved on by the chat queue's typical gap ``exp(mu)`` (the log-normal's median; the
+exponential's mean) since its last refit, the time over which those weights change by a large step: the sessions idle
+past the horizon labelled ended, then the EM steps of the rates and soft weights; not ``beta``, whose data (the
+labels) grow with the arrivals and whose fit is most of a refit's cost. Where arrivals are dense this never fires
+before the next offer; where they are sparse it adds at most one refresh per typical gap.
 """
 
 from __future__ import annotations
@@ -348,29 +350,31 @@ class ContinuationModel:
         return math.exp(gaps[0].mu) if self.timed_refit else math.inf
 
     def stale(self, now: float, gaps: Sequence[LognormalGaps]) -> bool:
-        """Whether the last refit lies more than :meth:`stale_after` back at ``now`` (never before the first refit):
-        the model then refits at this arrival whether or not an update offer is due (module docstring)."""
+        """Whether the last refit (or refresh) lies more than :meth:`stale_after` back at ``now`` (never before the
+        first refit): the model then refreshes at this arrival unless an update offer makes a refit due (module
+        docstring)."""
         return now - self._refit_t > self.stale_after(gaps)  # False while _refit_t is NaN
 
     @property
     def last_refit(self) -> float:
-        """The trace time of the last refit (NaN: none yet)."""
+        """The trace time of the last refit or refresh (NaN: none yet)."""
         return self._refit_t
 
     def update(self, now: float, gaps: Sequence[LognormalGaps], offer: bool = True) -> None:
-        """An arrival at ``now``, an update offer if ``offer``: when the offer is due (:meth:`update_due`) or the
-        model is :meth:`stale`, label sessions idle past the horizon as ended, then refit the rates and the
-        correction.
+        """An arrival at ``now``, an update offer if ``offer``: when the offer is due (:meth:`update_due`), label
+        sessions idle past the horizon as ended, then refit the rates and the correction; when it is not but the
+        model is :meth:`stale`, the same without the correction (a refresh).
 
         ``gaps[q]`` is the gap distribution of queue ``q`` (0: chat, 1: agent)."""
-        if not (offer and self.update_due()) and not self.stale(now, gaps):
+        due = offer and self.update_due()
+        if not due and not self.stale(now, gaps):
             return
         pend_t, pend_w = self._pend_t, self._pend_w
         n = len(pend_t)
         pend = np.fromiter(pend_t.keys(), dtype=np.int64, count=n)
         t_pend = np.fromiter(pend_t.values(), dtype=np.float64, count=n)
         w_pend = np.fromiter(pend_w.values(), dtype=np.float64, count=n)
-        keep, soft = self.update_pending(now, gaps, pend, t_pend, w_pend)
+        keep, soft = self.update_pending(now, gaps, pend, t_pend, w_pend, fit=due)
         for i in pend[~keep].tolist():
             del pend_t[i], pend_w[i]
         pend_w.update(zip(pend[keep].tolist(), soft.tolist(), strict=True))  # the same keys: only the weights change
@@ -381,10 +385,11 @@ class ContinuationModel:
         horizon_chat, horizon_agent = (g.upper(self.horizon_sigmas) for g in gaps)
         return now - t_pend > np.where(self._agent_a[pend], horizon_agent, horizon_chat)
 
-    def refit(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray) -> np.ndarray:
-        """:meth:`update` once the requests idle past the horizon are labelled: the rates and the correction refitted
-        on the pending requests ``pend`` (arrived at ``t_pend``, in arrival order); returns their new soft weights.
-        """
+    def refit(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray,
+              fit: bool = True) -> np.ndarray:
+        """:meth:`update` once the requests idle past the horizon are labelled: the rates (and with ``fit`` the
+        correction) refitted on the pending requests ``pend`` (arrived at ``t_pend``, in arrival order); returns their
+        new soft weights."""
         self._refit_t = now
         agent = self._agent_a[pend]
         idle = now - t_pend
@@ -407,7 +412,7 @@ class ContinuationModel:
         self._alive = np.bincount(bucket, weights=soft, minlength=k).tolist()
         self._n_pending = n_pend.tolist()
         self._rates = rates.tolist()
-        if self.features and (self._lab_n or pend.size):
+        if fit and self.features and (self._lab_n or pend.size):
             self._fit(pend, surv)
         return soft
 
@@ -467,15 +472,15 @@ class ContinuationModel:
         self._lab_n = int(lab_n)
 
     def update_pending(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray,
-                       w_pend: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                       w_pend: np.ndarray, fit: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`update` for a caller that keeps the pending requests ``pend`` (arrived at ``t_pend``, soft weights
-        ``w_pend``, in arrival order) itself, once :meth:`update_due` or :meth:`stale` said so: returns which stay
-        pending and their new soft weights."""
+        ``w_pend``, in arrival order) itself, once :meth:`update_due` said so (``fit``: a refit) or :meth:`stale`
+        did (a refresh): returns which stay pending and their new soft weights."""
         over = self.expired(now, gaps, pend, t_pend)
         for i, w in zip(pend[over].tolist(), w_pend[over].tolist(), strict=True):  # ended, in arrival order
             self._unpend(i, w)
             self._label(i, 0.0)
-        return ~over, self.refit(now, gaps, pend[~over], t_pend[~over])
+        return ~over, self.refit(now, gaps, pend[~over], t_pend[~over], fit)
 
     # -- the state contract (sae_env.state): everything but what bind() derives from the trace ---------------
     def export_state(self) -> dict[str, object]:
