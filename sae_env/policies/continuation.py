@@ -47,6 +47,11 @@ exponential's mean) since its last refit, the time over which those weights chan
 past the horizon labelled ended, then the EM steps of the rates and soft weights; not ``beta``, whose data (the
 labels) grow with the arrivals and whose fit is most of a refit's cost. Where arrivals are dense this never fires
 before the next offer; where they are sparse it adds at most one refresh per typical gap.
+
+Why one piece (~530 lines): the per-turn counts, the pending requests with their soft weights, the labelled buffer and
+the cached feature rows are one state that every arrival, refit and refresh updates together; the hand-over methods
+the compiled arrivals use (``counts`` / ``set_counts`` / ``update_pending`` / ``labelled_buffer`` / ``zb_at``) and the
+state contract read and write that same state, so split apart each piece would reach into the others' fields.
 """
 
 from __future__ import annotations
