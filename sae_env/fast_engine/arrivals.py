@@ -4,8 +4,8 @@ model's ``arrive`` and ``p``): a window's requests in one call, the same floats 
 What stays in Python is what runs once per many arrivals: the continuation model's refit (at the update offers,
 every ``REFIT_EVERY`` arrivals, that its ``refit_growth`` schedule makes due, counted here as the model counts them,
 and its refresh at an arrival where its last refit lies more than its ``stale_after`` back:
-the requests idle past the horizon labelled ended, the rates' EM steps and the Newton steps of the correction, in
-numpy) and the block of ``z @ beta`` that ``p`` reads (1024 requests at a time). :func:`run` stops at
+the requests idle past the horizon labelled ended, the rates' EM steps and, at a refit, the Newton steps of the
+correction, in numpy) and the block of ``z @ beta`` that ``p`` reads (1024 requests at a time). :func:`run` stops at
 the request that needs one of them, :class:`CompiledArrivals` does it through the Python model's own methods, and the
 loop goes on from that request.
 

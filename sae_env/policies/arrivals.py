@@ -7,11 +7,11 @@ windows), it is the same on every engine. That is why it lives apart from the po
 request loop, a window at a time, and the loop applies what it says at the same request.
 
 Per arrival (:meth:`Arrivals.arrive`): the request's queue (chat / agent for a (predicted) multi-turn session, else
-priority-eviction), its continuation bin (the online continuation model's ``p``, on the logit scale), whether the
-policy refits its turnover time and continuation model at this arrival (every ``REFIT_EVERY`` arrivals; the model
-is offered an update here and refits by its schedule; it also refits at any arrival once its last refit lies a typical
-chat gap back: see continuation.py), and whether the request used a shared prefix (the structural queue's reuse rate
-moved). The gap statistics the online learners read (:meth:`window_stats`) are counted here too.
+priority-eviction), its continuation bin (the online continuation model's ``p``, on the logit scale), whether the policy
+refits its turnover time and continuation model at this arrival (every ``REFIT_EVERY`` arrivals; the model is offered an
+update here and refits by its schedule; it also refreshes at any arrival once its last refit lies a typical chat gap
+back: see continuation.py), and whether the request used a shared prefix (the structural queue's reuse rate moved). The
+gap statistics the online learners read (:meth:`window_stats`) are counted here too.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class Arrivals:
     def arrive(self, trace: Trace, i: int, now: float) -> tuple[int, int, bool, bool]:
         """Request ``i`` arrived at ``now``: returns its queue, its continuation bin (0: none), whether the policy
         refits at this arrival (its turnover time; the continuation model is offered an update here, first, and may
-        refit at any arrival when stale) and whether it used a shared prefix (``p_structural`` moved)."""
+        refresh at any arrival when stale) and whether it used a shared prefix (``p_structural`` moved)."""
         if trace is not self.trace:
             self.bind(trace)
         self.arrivals += 1
