@@ -154,17 +154,18 @@ def test_between_refits_only_the_counts_move():
     assert model._offers == len(trace) // 10
 
 
-def replay_as_saecache(trace: Trace, model: ContinuationModel) -> ContinuationModel:
-    """Arrivals as SAECache's (sae_env.policies.arrivals) make them: an update offer every 64th arrival, and an
-    update at any arrival that finds the model stale."""
+def replay_as_saecache(trace: Trace, model: ContinuationModel, every: int = 64) -> list[float]:
+    """Arrivals as SAECache's (sae_env.policies.arrivals) make them: an update offer every ``every``-th arrival, and
+    an update at any arrival that finds the model stale; returns p_i."""
     gaps = (LognormalGaps(MU, SIGMA),) * 2
     model.bind(trace)
+    out = []
     for k, now in enumerate(trace.t.tolist(), start=1):
-        offer = k % 64 == 0
+        offer = k % every == 0
         if offer or model.stale(now, gaps):
             model.update(now, gaps, offer=offer)
-        model.arrive(k - 1, now)
-    return model
+        out.append(model.arrive(k - 1, now))
+    return out
 
 
 def test_a_stale_model_refreshes_without_an_offer():
@@ -206,10 +207,11 @@ def test_timed_refits_keep_the_late_rates_honest_as_arrivals_thin_out(seed):
     well keeps them near the truth."""
     trace = sessions_trace(200, seed=seed)
     truth = np.array([TRUE_P[k] for k in range(2, 9)])
-    error = {timed: float(np.abs(replay_as_saecache(trace, ContinuationModel(features=False, refit_growth=0.5,
-                                                                            timed_refit=timed)).rates[2:9]
-                                 - truth).mean())
-             for timed in (False, True)}
+    error = {}
+    for timed in (False, True):
+        model = ContinuationModel(features=False, refit_growth=0.5, timed_refit=timed)
+        replay_as_saecache(trace, model)
+        error[timed] = float(np.abs(model.rates[2:9] - truth).mean())
     assert error[False] > 0.06
     assert error[True] < 0.6 * error[False]
 
@@ -225,11 +227,15 @@ def test_features_of_a_request_ignore_later_requests():
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10**6), n=st.integers(1, 60), window=st.integers(1, 20), features=st.booleans())
-def test_invariants(seed, n, window, features):
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 60), window=st.integers(1, 20), features=st.booleans(),
+       as_saecache=st.booleans())
+def test_invariants(seed, n, window, features, as_saecache):
+    """After any sequence of arrivals and updates (every ``window`` arrivals, or as SAECache offers them with its
+    timed refreshes in between): probabilities and rates in (0, 1), and the per-turn counts agree with the pending
+    set."""
     trace = sessions_trace(n, seed=seed, rate=1.0)
-    model = ContinuationModel(features=features)
-    ps = replay_model(trace, model, window=window)
+    model = ContinuationModel(features=features, refit_growth=0.5 if as_saecache else 0.0)
+    ps = replay_as_saecache(trace, model, every=window) if as_saecache else replay_model(trace, model, window=window)
     assert all(0.0 < p < 1.0 for p in ps)
     assert np.all((model.rates > 0) & (model.rates < 1))
     buckets = [0] * (model.max_turn + 1)
