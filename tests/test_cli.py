@@ -86,6 +86,8 @@ def test_replay_policy_options_go_to_the_policies_that_take_them(tmp_path, capsy
     (["replay", "--trace", "bailian", "--policy", "saecache", "--policy-opt", "continuation"],
      "--policy-opt expects KEY=VALUE"),
     (["replay", "--trace", "bailian", "--policy", "saecache", "--policy-opt", "sample=0"], "sample must be >= 1"),
+    (["replay", "--trace", "bailian", "--policy", "saecache", "--policy-opt", "timed_refit=maybe"],
+     "timed_refit must be true or false, got 'maybe'"),
     (["replay", "--trace", "bailian", "--policy", "nope"], "valid policies: lru"),
     (["replay", "--trace", "bailian", "--capacity", "0"], "capacity"),
     (["replay", "--trace", "bailian", "--capacity", "-3"], "capacity"),

@@ -695,6 +695,10 @@ def test_set_params_clips_counts_and_rejects():
         SAECachePolicy(sample=0)
     with pytest.raises(ValueError):
         SAECachePolicy(min_dt=0.0)
+    for bad in ("false", 0, None):  # bool("false") is True: a switch takes true or false only
+        with pytest.raises(ValueError, match="timed_refit must be true or false"):
+            SAECachePolicy(timed_refit=bad)
+    assert SAECachePolicy(censoring=np.bool_(False)).switches["censoring"] is False
 
 
 # ----------------------------------------------------------------------------------------------------------------

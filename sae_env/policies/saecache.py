@@ -157,6 +157,13 @@ class SAECachePolicy(EvictionPolicy):
             raise ValueError(f"saecache: sample must be >= 1, got {sample}")
         if not min_dt > 0:
             raise ValueError(f"saecache: min_dt must be positive, got {min_dt}")
+        flags = {"type_weights": type_weights, "adaptive_alpha": adaptive_alpha, "lognormal": lognormal,
+                 "position_decay": position_decay, "multi_queue": multi_queue, "continuation": continuation,
+                 "density": density, "continuation_features": continuation_features, "censoring": censoring,
+                 "timed_refit": timed_refit, "pe_routing": pe_routing}
+        for name, value in flags.items():  # bool("false") is True: a typo must not flip a switch on silently
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"saecache: {name} must be true or false, got {value!r}")
         self.switches = {"type_weights": bool(type_weights), "adaptive_alpha": bool(adaptive_alpha),
                          "lognormal": bool(lognormal), "position_decay": bool(position_decay),
                          "multi_queue": bool(multi_queue), "predictor": predictor is not False,
