@@ -328,12 +328,8 @@ def test_feature_rows_equal_the_whole_matrix_bit_for_bit(name):
     rng = np.random.default_rng(0)
     idx = rng.integers(0, n, size=min(n, 3000))  # gathered rows, as a fit asks for them
     np.testing.assert_array_equal(model.feature_rows(idx), ref[idx])
-    # p() reads z_i . beta one request at a time, in scalar arithmetic: the reference rows' dot products within a
-    # few ulps (numpy's vectorised log1p may differ from the C library's in the last bit), summed in feature order
-    model.beta = rng.normal(size=ref.shape[1])
-    zb = np.array([model.zb(i) for i in range(n)])
-    np.testing.assert_allclose(zb, ref @ model.beta, rtol=1e-12, atol=1e-12)
-    assert not np.array_equal(zb, np.zeros(n))
+    for i in (0, n // 3, n - 5):  # blocks of rows, as p() asks for them
+        np.testing.assert_array_equal(model.feature_rows(slice(i, i + 1024)) @ model.beta, ref[i:i + 1024] @ model.beta)
 
 
 def test_feature_rows_beyond_the_ring_of_cached_rows(monkeypatch):

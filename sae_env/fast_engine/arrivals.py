@@ -5,14 +5,14 @@ What stays in Python is what runs once per many arrivals: the continuation model
 every ``REFIT_EVERY`` arrivals, that its ``refit_growth`` schedule makes due, counted here as the model counts them,
 and its refresh at an arrival where its last refit lies more than its ``stale_after`` back:
 the requests idle past the horizon labelled ended, the rates' EM steps and, at a refit, the Newton steps of the
-correction, in numpy). :func:`run` stops at the request that needs one, :class:`CompiledArrivals` does it through the
-Python model's own methods, and the loop goes on from that request. ``p`` reads the correction's ``beta`` (given back
-after each refit) and computes each request's features as the model's ``zb`` does, in scalar arithmetic.
+correction, in numpy) and the block of ``z @ beta`` that ``p`` reads (1024 requests at a time). :func:`run` stops at
+the request that needs one of them, :class:`CompiledArrivals` does it through the Python model's own methods, and the
+loop goes on from that request.
 
 The per-arrival state lives here while the compiled engine holds the replay, as arrays, taken from the Python
 objects through the state contract (``export_state``) and given back the same way (``import_state``); the Python
 side offers only public hand-over methods (``Arrivals.routes``, the model's ``counts`` / ``set_counts`` /
-``update_pending`` / ``labelled_buffer`` / ``feature_facts``):
+``update_pending`` / ``labelled_buffer`` / ``zb_at``):
 
 * sessions by dense id (this trace's session ids, sorted): the last arrival and its queue, the latest request, each
   with its place in the Python dict's insertion order (the exported state lists them in that order); the entries of
@@ -36,18 +36,18 @@ from sae_env.policies.continuation import MAX_REFIT_GAP, P_CLIP
 
 __all__ = ["CompiledArrivals"]
 
-DONE, REFIT_DUE, NEED_ROOM, STALE = range(4)  # why run() returned
-# Integer scalars: arrivals so far, shared-prefix uses and reuses, pending entries, labelled entries, whether the
-# update offer at the next arrival was counted (run() may stop there more than once), the next insertion rank of the
-# sessions' dict and of the model's latest-request dict, and the model's refit schedule: update offers so far, the
-# offer it refits at next (ContinuationModel.update_due).
-ARRIVALS, PREFIX_USES, PREFIX_REUSED, PQ_N, LAB_N, REFIT_DONE, SESS_NEXT, LAST_NEXT, OFFERS, NEXT_REFIT = range(10)
+DONE, REFIT_DUE, NEED_ZB, NEED_ROOM, STALE = range(5)  # why run() returned
+# Integer scalars: arrivals so far, shared-prefix uses and reuses, pending entries, labelled entries, the z @ beta
+# block's first request and length, whether the update offer at the next arrival was counted (run() may stop there
+# more than once), the next insertion rank of the sessions' dict and of the model's latest-request dict, and the
+# model's refit schedule: update offers so far, the offer it refits at next (ContinuationModel.update_due).
+ARRIVALS, PREFIX_USES, PREFIX_REUSED, PQ_N, LAB_N, ZB_FROM, ZB_LEN, REFIT_DONE, SESS_NEXT, LAST_NEXT, OFFERS, \
+    NEXT_REFIT = range(12)
 # Float scalars: the structural continuation rate, the model's last refit (NaN: none yet) and how long after it
 # the model is stale (ContinuationModel.stale_after, set by CompiledArrivals.run: the gaps move between windows).
 P_ST, REFIT_T, STALE_AFTER = range(3)
-# Options: a continuation model, the hit density, PE routing, multi_queue, censoring, features, buffer, a predictor
-# feature.
-HAS_MODEL, DENSITY, PE_ROUTING, MULTI, CENSORING, FEATURES, BUFFER, FIRST = range(8)
+# Options: a continuation model, the hit density, PE routing, multi_queue, censoring, features, buffer.
+HAS_MODEL, DENSITY, PE_ROUTING, MULTI, CENSORING, FEATURES, BUFFER = range(7)
 THRESHOLD, PRIOR_A, PRIOR_B, GROWTH = range(4)  # float options: continue_threshold, prior, refit_growth
 REFIT, STRUCTURAL = 1, 2  # request flags, as the compiled SAECache reads them
 
@@ -74,20 +74,14 @@ class ArrivalState(NamedTuple):
     n_pending: np.ndarray  # int64 per turn bucket
     lab_i: np.ndarray  # int64: the model's labelled requests ...
     lab_y: np.ndarray  # float64 ... and their labels
-    beta: np.ndarray  # float64 [9]: the model's correction (copied in after each refit)
-    ptok: np.ndarray  # int64 per request: prompt tokens (the trace's own array) ...
-    offsets: np.ndarray  # int64 [R+1]: ... prompt block offsets (the trace's) ...
-    prev: np.ndarray  # int per request: ... its session's previous request (-1: none; the model's) ...
-    tcounts: np.ndarray  # int [R, 4] ... its blocks by token-type group ...
-    agent: np.ndarray  # bool per request: ... an agent's ...
-    first: np.ndarray  # float64 per request: ... and its predictor feature (FIRST; else one unused entry)
+    zb: np.ndarray  # float64: z @ beta of requests ZB_FROM .. ZB_FROM + ZB_LEN - 1
     ai: np.ndarray  # int64 scalars (above)
     af: np.ndarray  # float64 scalars
     opt: np.ndarray  # int64 options
     optf: np.ndarray  # float64: continue_threshold, the prior's two pseudo-counts, refit_growth
 
 
-# The helpers are inlined into run(), which borrows the state: a call that passes the state tuple copies its 32
+# The helpers are inlined into run(), which borrows the state: a call that passes the state tuple copies its 26
 # arrays' descriptors and counts a reference per field read (together 1.5 ms of a 4,000-request replay).
 @inline
 def _find(keys, n, x):
@@ -120,29 +114,7 @@ def _record(st, j, y):
 
 
 @inline
-def zb(st, i, times):
-    """ContinuationModel.zb, operation for operation."""
-    beta = st.beta
-    pt = st.ptok[i]
-    j = st.prev[i]
-    new, gap = pt, 0.0
-    if j >= 0:
-        new = max(pt - st.ptok[j], 0)
-        gap = max(times[i] - times[j], 0.0)
-    nb = max(st.offsets[i + 1] - st.offsets[i], 1)
-    x = 0.0
-    x += math.log1p(pt) / 10.0 * beta[0]
-    x += math.log1p(new) / 10.0 * beta[1]
-    x += math.log1p(gap) / 10.0 * beta[2]
-    for g in range(4):
-        x += st.tcounts[i, g] / nb * beta[3 + g]
-    x += (1.0 if st.agent[i] else 0.0) * beta[7]
-    x += (st.first[i] if st.opt[FIRST] else 0.0) * beta[8]
-    return x
-
-
-@inline
-def _model_arrive(st, i, now, times):
+def _model_arrive(st, i, now):
     """ContinuationModel.arrive (with p): returns p_i."""
     ai, opt = st.ai, st.opt
     a, b = st.optf[PRIOR_A], st.optf[PRIOR_B]
@@ -185,7 +157,7 @@ def _model_arrive(st, i, now, times):
     else:
         rc = min(max(r, P_CLIP), 1.0 - P_CLIP)
         x = math.log(rc / (1.0 - rc))
-    x += zb(st, i, times)
+    x += st.zb[i - ai[ZB_FROM]]
     return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
 
 
@@ -212,8 +184,8 @@ def _add_gap(gap, q, dt):
 def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
     """Arrivals.arrive for requests ``i0 .. i1-1`` (arriving at ``times[i]``): their queue, continuation bin, flags
     and structural rate in ``out_*[i]``. Returns ``(i, why)``: ``i`` the request it stopped at (``i1``: DONE), before
-    anything of it was done, to have its due refit run (REFIT_DUE) or its refresh (STALE) or the pending arrays grown
-    (NEED_ROOM)."""
+    anything of it was done, to have its due refit run (REFIT_DUE) or its refresh (STALE), its z @ beta block computed
+    (NEED_ZB) or the pending arrays grown (NEED_ROOM)."""
     st = borrow(st)  # no reference counting inside (jit.borrow says why)
     ai, opt = st.ai, st.opt
     has_model, density = opt[HAS_MODEL], opt[DENSITY]
@@ -231,6 +203,8 @@ def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
                     return i, REFIT_DUE
             if now - st.af[REFIT_T] > st.af[STALE_AFTER]:  # ContinuationModel.stale (False while REFIT_T is NaN)
                 return i, STALE
+            if opt[FEATURES] and not (ai[ZB_FROM] <= i < ai[ZB_FROM] + ai[ZB_LEN]):
+                return i, NEED_ZB
             if ai[PQ_N] == st.pq_req.size:
                 return i, NEED_ROOM
         ai[REFIT_DONE] = 0
@@ -238,7 +212,7 @@ def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
         q = st.queue_of[i]
         slot = 0
         if has_model:
-            p = _model_arrive(st, i, now, times)
+            p = _model_arrive(st, i, now)
             if opt[PE_ROUTING] and opt[MULTI] and p < st.optf[THRESHOLD]:
                 q = PE
             if density:
@@ -293,8 +267,7 @@ class CompiledArrivals:
         self.arrivals = arrivals
         model = arrivals.model
         state = arrivals.export_state()
-        trace = arrivals.trace
-        sid = np.asarray(trace.session, dtype=np.int64)
+        sid = np.asarray(arrivals.trace.session, dtype=np.int64)
         known = sid >= 0
         self.ids, dense = np.unique(sid[known], return_inverse=True)
         session = np.full(sid.size, -1, dtype=np.int32 if self.ids.size < 2**31 else np.int64)  # 4 bytes a request
@@ -333,8 +306,13 @@ class CompiledArrivals:
                 state["model_pending_w"]
             rates, alive, continued, ended, n_pending, lab_n = model.counts()
             lab_i, lab_y = model.labelled_buffer
-            beta = model.beta.copy()
-            prev, tcounts, agent, first = model.feature_facts
+            zb = np.zeros(1024)
+            zb_from, zb_len = 0, 0
+            if state["model_zb_from"] >= 0:
+                zb_from = int(state["model_zb_from"])
+                block = model.zb_at(zb_from)  # the block p() reads now: the same floats
+                zb_len = block.size
+                zb[:zb_len] = block
             bucket, prior = model.turn_buckets, model.prior
             censoring, features, buffer = model.censoring, model.features, model.buffer
             offers, next_refit, growth = int(state["model_offers"]), int(state["model_next_refit"]), model.refit_growth
@@ -343,27 +321,24 @@ class CompiledArrivals:
             pq_req, pq_t, pq_w = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1)
             rates, alive, continued, ended = np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1)
             n_pending, lab_n = np.zeros(1, dtype=np.int64), 0
-            lab_i, lab_y, beta = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(9)
-            prev, tcounts, agent, first = (np.zeros(1, dtype=np.int32), np.zeros((1, 4), dtype=np.int16),
-                                           np.zeros(1, dtype=bool), None)
+            lab_i, lab_y, zb = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1)
+            zb_from = zb_len = 0
             bucket = np.zeros(1, dtype=np.int8)
             prior, censoring, features, buffer = (1.0, 1.0), False, False, 1
             offers, next_refit, growth = 0, 1, 0.0
             refit_t = math.nan
         ai = np.array([state["arrivals"], state["prefix_uses"], state["prefix_reused"],
-                       pend.size if model is not None else 0, lab_n, 0, ids.size, n_last, offers,
+                       pend.size if model is not None else 0, lab_n, zb_from, zb_len, 0, ids.size, n_last, offers,
                        next_refit],
                       dtype=np.int64)
         self.state = ArrivalState(
             queue_of=queue_of, session=session, prefix_of=prefix_of, bucket=bucket, sess_t=sess_t, sess_q=sess_q,
             sess_rank=sess_rank, last_req=last_req, last_rank=last_rank, prefix_last=prefix_last, gap=gap,
             pq_req=pq_req, pq_t=pq_t, pq_w=pq_w, rates=rates, alive=alive, continued=continued, ended=ended,
-            n_pending=n_pending, lab_i=lab_i, lab_y=lab_y, beta=beta, ptok=trace.prompt_tokens,
-            offsets=trace.prompt_offsets, prev=prev, tcounts=tcounts, agent=agent,
-            first=np.zeros(1) if first is None else first, ai=ai,
+            n_pending=n_pending, lab_i=lab_i, lab_y=lab_y, zb=zb, ai=ai,
             af=np.array([state["p_structural"], refit_t, math.inf]),
             opt=np.array([model is not None, arrivals.density, arrivals.pe_routing, arrivals.multi_queue, censoring,
-                          features, buffer, first is not None], dtype=np.int64),
+                          features, buffer], dtype=np.int64),
             optf=np.array([arrivals.continue_threshold, prior[0], prior[1], growth]))
 
     def run(self, a: int, b: int, out_q: np.ndarray, out_slot: np.ndarray, out_flags: np.ndarray,
@@ -380,6 +355,10 @@ class CompiledArrivals:
                 return
             if why == REFIT_DUE or why == STALE:
                 self._refit(float(times[i]), fit=why == REFIT_DUE)
+            elif why == NEED_ZB:
+                zb = self.arrivals.model.zb_at(i)
+                self.state.zb[:zb.size] = zb
+                self.state.ai[ZB_FROM], self.state.ai[ZB_LEN] = i, zb.size
             else:
                 self._grow()
 
@@ -416,7 +395,8 @@ class CompiledArrivals:
                                                                                   n_pending)
         st.ai[LAB_N] = lab_n
         st.af[REFIT_T] = model.last_refit
-        st.beta[:] = model.beta
+        if model.zb_block_start < 0:  # the fit moved beta: p asks for a new block
+            st.ai[ZB_LEN] = 0
 
     def reset_window(self) -> None:
         self.state.gap[:] = 0.0
@@ -435,7 +415,7 @@ class CompiledArrivals:
         """Give the per-arrival state back to the Python objects (``import_state``); returns the arrivals."""
         st, arrivals, model = self.state, self.arrivals, self.arrivals.model
         self.stats_to_python()
-        state = arrivals.export_state()  # what the compiled state does not hold (the model's beta and labels)
+        state = arrivals.export_state()  # what the compiled state does not hold (the model's beta, labels, zb)
         # the dicts in the Python engine's order: insertion order, which the ranks record
         seen = np.flatnonzero(~np.isnan(st.sess_t))
         entries = sorted(self._other_sessions + list(zip(st.sess_rank[seen].tolist(), self.ids[seen].tolist(),

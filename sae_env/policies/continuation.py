@@ -50,9 +50,8 @@ before the next offer; where they are sparse it adds at most one refresh per typ
 
 Why one piece (~530 lines): the per-turn counts, the pending requests with their soft weights, the labelled buffer and
 the cached feature rows are one state that every arrival, refit and refresh updates together; the hand-over methods
-the compiled arrivals use (``counts`` / ``set_counts`` / ``update_pending`` / ``labelled_buffer`` /
-``feature_facts``) and the state contract read and write that same state, so split apart each piece would reach into
-the others' fields.
+the compiled arrivals use (``counts`` / ``set_counts`` / ``update_pending`` / ``labelled_buffer`` / ``zb_at``) and the
+state contract read and write that same state, so split apart each piece would reach into the others' fields.
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ P_CLIP = 1e-3  # probabilities are clipped to [P_CLIP, 1 - P_CLIP] before a logi
 # Most update offers between two refits under ``refit_growth``: SAECache offers one every 64 arrivals, so at most 1024
 # arrivals apart, a quarter of the labelled buffer (4096): the fit's data never turns over by more than a quarter.
 MAX_REFIT_GAP = 16
-_ROW_CACHE = 1 << 14  # feature rows kept (1.2 MB): the refits ask for the latest requests again and again
+_ROW_CACHE = 1 << 14  # feature rows kept (1.2 MB): more than the refits' labelled buffer and block of rows ask for
 
 
 def _logit(p: float) -> float:
@@ -193,6 +192,8 @@ class ContinuationModel:
                 self._first_logit[i] = self._predictor_logit(trace, i) / 5.0
         self._rows: np.ndarray | None = None  # feature rows of recent requests (feature_rows), made when asked
         self._row_of: np.ndarray | None = None  # the request each ring row holds (-1: none)
+        self._zb: np.ndarray | None = None  # z @ beta, recomputed after each fit
+        self._zb_from = 0
 
     def feature_rows(self, idx: np.ndarray | slice) -> np.ndarray:
         """The feature rows ``z`` of requests ``idx`` (an index array or a slice), one row of ``_N_FEATURES``
@@ -250,6 +251,7 @@ class ContinuationModel:
                          "_first_logit"):
                 setattr(m, name, getattr(self, name))
             m._rows = m._row_of = None
+            m._zb, m._zb_from = None, 0
         return m
 
     def _predictor_logit(self, trace: Trace, i: int) -> float:
@@ -302,35 +304,19 @@ class ContinuationModel:
         r = self._rates[self._bucket[i]]
         if not self.features:
             return float(r)
-        x = _logit(min(max(r, P_CLIP), 1.0 - P_CLIP)) + self.zb(i)
+        zb = self._zb
+        if zb is None or not (self._zb_from <= i < self._zb_from + zb.size):
+            zb = self.zb_at(i)
+        x = _logit(min(max(r, P_CLIP), 1.0 - P_CLIP)) + float(zb[i - self._zb_from])
         return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
 
-    def zb(self, i: int) -> float:
-        """``z_i . beta``: request ``i``'s features (:meth:`feature_rows`' formulas) in scalar arithmetic, summed in
-        feature order. The compiled arrivals repeat it operation for operation (the C library's ``log1p``, no fused
-        multiply-add), so both engines get the same float; a row of :meth:`feature_rows` (numpy's vectorised
-        ``log1p``) may differ from it in the last bit, which the fits do not mind."""
-        trace, beta = self._trace, self.beta
-        pt = trace.prompt_tokens.item(i)
-        j = self._prev.item(i)
-        new, gap = pt, 0.0
-        if j >= 0:
-            new = max(pt - trace.prompt_tokens.item(j), 0)
-            gap = max(trace.t.item(i) - trace.t.item(j), 0.0)
-        offsets = trace.prompt_offsets
-        nb = max(offsets.item(i + 1) - offsets.item(i), 1)
-        counts = self._type_counts[i].tolist()
-        x = 0.0
-        x += math.log1p(pt) / 10.0 * beta.item(0)
-        x += math.log1p(new) / 10.0 * beta.item(1)
-        x += math.log1p(gap) / 10.0 * beta.item(2)
-        x += counts[0] / nb * beta.item(3)
-        x += counts[1] / nb * beta.item(4)
-        x += counts[2] / nb * beta.item(5)
-        x += counts[3] / nb * beta.item(6)
-        x += (1.0 if self._agent_a.item(i) else 0.0) * beta.item(7)
-        x += (self._first_logit.item(i) if self._first_logit is not None else 0.0) * beta.item(8)
-        return x
+    def zb_at(self, i: int) -> np.ndarray:
+        """``z @ beta`` of the block of requests from ``i`` (1024 of them, fewer at the trace's end), kept for
+        :meth:`p` until a fit or a request outside it: computed a block at a time, as the same floats whatever
+        asks (the compiled arrivals too)."""
+        self._zb_from = i
+        self._zb = self.feature_rows(slice(i, i + 1024)) @ self.beta
+        return self._zb
 
     def _label(self, i: int, y: float) -> None:
         k = self._bucket[i]
@@ -456,6 +442,7 @@ class ContinuationModel:
             hess = (z * (p * (1.0 - p))[:, None]).T @ z + ridge
             beta = beta - np.linalg.solve(hess, grad)
         self.beta = beta
+        self._zb = None
 
     # -- for a compiled copy of arrive() (sae_env.fast_engine.arrivals) ------------------------------------------
     # It keeps the pending requests and the sessions' latest requests itself (taken and given back through the
@@ -466,11 +453,9 @@ class ContinuationModel:
         return self._bucket_a
 
     @property
-    def feature_facts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        """What :meth:`zb` reads besides the trace's own arrays (read-only): each request's session's previous
-        request (-1: none), its blocks by token-type group (user, assistant, tool output, system + template), whether
-        it is an agent's, and its predictor feature (None without a predictor)."""
-        return self._prev, self._type_counts, self._agent_a, self._first_logit
+    def zb_block_start(self) -> int:
+        """The first request of the block of ``z @ beta`` that :meth:`p` reads (-1: none, computed when asked)."""
+        return -1 if self._zb is None else self._zb_from
 
     @property
     def labelled_buffer(self) -> tuple[np.ndarray, np.ndarray]:
@@ -514,7 +499,9 @@ class ContinuationModel:
                 "last_sessions": np.fromiter(self._last_of.keys(), dtype=np.int64, count=len(self._last_of)),
                 "last_requests": np.fromiter(self._last_of.values(), dtype=np.int64, count=len(self._last_of)),
                 "labelled": self._lab_i[:self._lab_n].copy(), "labels": self._lab_y[:self._lab_n].copy(),
-                "offers": self._offers, "next_refit": self._next_refit, "refit_t": self._refit_t}
+                # p() reads z @ beta computed over a block of rows from here: the same block, the same floats
+                "zb_from": self.zb_block_start, "offers": self._offers, "next_refit": self._next_refit,
+                "refit_t": self._refit_t}
 
     def import_state(self, state: dict[str, object]) -> None:
         """Take back an exported state; :meth:`bind` must have been called with the same trace."""
@@ -533,6 +520,10 @@ class ContinuationModel:
         self._lab_i[:lab_i.size], self._lab_y[:lab_y.size] = lab_i, lab_y
         self._offers, self._next_refit = int(state["offers"]), int(state["next_refit"])
         self._refit_t = float(state["refit_t"])
+        zb_from = int(state["zb_from"])
+        self._zb, self._zb_from = None, 0
+        if zb_from >= 0:
+            self.zb_at(zb_from)
 
     def stats(self) -> dict[str, object]:
         return {"rates": self.rates[1:].tolist(), "beta": self.beta.tolist(), "pending": int(sum(self._n_pending)),
