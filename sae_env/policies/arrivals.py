@@ -160,7 +160,7 @@ class Arrivals:
         self.arrivals += 1
         model = self.model
         refit = (self.density or model is not None) and self.arrivals % REFIT_EVERY == 0
-        if model is not None and (refit or model.stale(now, self.gaps)):
+        if model is not None:  # an update offer at a refit; update() also refreshes a stale model
             model.update(now, self.gaps, offer=refit)
         q = self._queue_of[i]
         slot = 0

@@ -164,12 +164,8 @@ class SAECachePolicy(EvictionPolicy):
         for name, value in flags.items():  # bool("false") is True: a typo must not flip a switch on silently
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"saecache: {name} must be true or false, got {value!r}")
-        self.switches = {"type_weights": bool(type_weights), "adaptive_alpha": bool(adaptive_alpha),
-                         "lognormal": bool(lognormal), "position_decay": bool(position_decay),
-                         "multi_queue": bool(multi_queue), "predictor": predictor is not False,
-                         "continuation": bool(continuation), "density": bool(density),
-                         "continuation_features": bool(continuation_features), "censoring": bool(censoring),
-                         "timed_refit": bool(timed_refit), "pe_routing": bool(pe_routing)}
+        self.switches = {name: bool(value) for name, value in flags.items()}
+        self.switches["predictor"] = predictor is not False
         self._multi, self._typed = self.switches["multi_queue"], self.switches["type_weights"]  # hot-path copies
         self._st_groups = _ST_GROUPS if self._typed else _ST_GROUPS[:1]  # untyped: one structural group
         self._continuation, self._density = self.switches["continuation"], self.switches["density"]
