@@ -46,9 +46,18 @@ ARRIVALS, PREFIX_USES, PREFIX_REUSED, PQ_N, LAB_N, ZB_FROM, ZB_LEN, REFIT_DONE, 
 # Float scalars: the structural continuation rate, the model's last refit (NaN: none yet) and how long after it
 # the model is stale (ContinuationModel.stale_after, set by CompiledArrivals.run: the gaps move between windows).
 P_ST, REFIT_T, STALE_AFTER = range(3)
-# Options: a continuation model, the hit density, PE routing, multi_queue, censoring, features, buffer.
-HAS_MODEL, DENSITY, PE_ROUTING, MULTI, CENSORING, FEATURES, BUFFER = range(7)
-THRESHOLD, PRIOR_A, PRIOR_B, GROWTH = range(4)  # float options: continue_threshold, prior, refit_growth
+# Options, after the integer scalars: a continuation model, the hit density, PE routing, multi_queue, censoring,
+# features, buffer; after the float scalars: continue_threshold, the prior's two pseudo-counts, refit_growth.
+HAS_MODEL, DENSITY, PE_ROUTING, MULTI, CENSORING, FEATURES, BUFFER = range(12, 19)
+THRESHOLD, PRIOR_A, PRIOR_B, GROWTH = range(3, 7)
+# Packed rows (a kernel loads and unboxes every array of its state tuple: each costs ~55 us at a process's first
+# replay, so fields of one length and type share an array). Per turn bucket (float64): the continuation rate, the
+# pending requests' soft weights summed, the continued and the ended counts.
+RATES, ALIVE, CONTINUED, ENDED = range(4)
+# Per session (int64): its place in the Python dict's order (insertion order), its latest request (-1: none) and
+# that entry's place in the model's dict, the queue of its last arrival.
+S_RANK, S_LAST, S_LAST_RANK, S_QUEUE = range(4)
+PQ_T, PQ_W = range(2)  # per pending request (float64): its arrival, its soft weight (NaN: labelled since the refit)
 REFIT, STRUCTURAL = 1, 2  # request flags, as the compiled SAECache reads them
 
 
@@ -58,31 +67,22 @@ class ArrivalState(NamedTuple):
     prefix_of: np.ndarray  # int32 per request: its shared prefix (-1: none)
     bucket: np.ndarray  # int per request: its turn bucket
     sess_t: np.ndarray  # float64 per session: its last arrival (NaN: none yet)
-    sess_q: np.ndarray  # int8 per session: the queue of that arrival
-    sess_rank: np.ndarray  # int64 per session: its place in the Python dict's order (insertion order)
-    last_req: np.ndarray  # int64 per session: its latest request (-1: none)
-    last_rank: np.ndarray  # int64 per session: the same for the model's dict
+    sess: np.ndarray  # int64 [S_*, session]
     prefix_last: np.ndarray  # float64 per shared prefix: its last use (NaN: none), Arrivals' own array
     gap: np.ndarray  # float64 [queue, (n, sum ln gap, sum ln^2 gap)]
     pq_req: np.ndarray  # int64: pending requests, increasing ...
-    pq_t: np.ndarray  # float64 ... their arrivals ...
-    pq_w: np.ndarray  # float64 ... and soft weights (NaN: labelled since the last refit)
-    rates: np.ndarray  # float64 per turn bucket
-    alive: np.ndarray  # float64 per turn bucket: the pending requests' soft weights, summed
-    continued: np.ndarray  # float64 per turn bucket
-    ended: np.ndarray  # float64 per turn bucket
+    pq: np.ndarray  # float64 [PQ_T | PQ_W, pending] ... their arrivals and soft weights
+    counts: np.ndarray  # float64 [RATES | ALIVE | CONTINUED | ENDED, turn bucket]
     n_pending: np.ndarray  # int64 per turn bucket
     lab_i: np.ndarray  # int64: the model's labelled requests ...
     lab_y: np.ndarray  # float64 ... and their labels
     zb: np.ndarray  # float64: z @ beta of requests ZB_FROM .. ZB_FROM + ZB_LEN - 1
-    ai: np.ndarray  # int64 scalars (above)
-    af: np.ndarray  # float64 scalars
-    opt: np.ndarray  # int64 options
-    optf: np.ndarray  # float64: continue_threshold, the prior's two pseudo-counts, refit_growth
+    ai: np.ndarray  # int64 scalars, then options (above)
+    af: np.ndarray  # float64 scalars, then options
 
 
-# The helpers are inlined into run(), which borrows the state: a call that passes the state tuple copies its 26
-# arrays' descriptors and counts a reference per field read (together 1.5 ms of a 4,000-request replay).
+# The helpers are inlined into run(), which borrows the state: a call that passes the state tuple copies its arrays'
+# descriptors (26 then) and counts a reference per field read (together 1.5 ms of a 4,000-request replay).
 @inline
 def _find(keys, n, x):
     """The position of ``x`` among the increasing ``keys[:n]``, or -1."""
@@ -104,7 +104,7 @@ def _record(st, j, y):
     st.lab_i[n] = j
     st.lab_y[n] = y
     n += 1
-    buffer = st.opt[BUFFER]
+    buffer = st.ai[BUFFER]
     if n > 2 * buffer:
         for m in range(buffer):
             st.lab_i[m] = st.lab_i[n - buffer + m]
@@ -116,41 +116,40 @@ def _record(st, j, y):
 @inline
 def _model_arrive(st, i, now):
     """ContinuationModel.arrive (with p): returns p_i."""
-    ai, opt = st.ai, st.opt
-    a, b = st.optf[PRIOR_A], st.optf[PRIOR_B]
-    rates, alive, n_pending, continued, ended = st.rates, st.alive, st.n_pending, st.continued, st.ended
+    ai, af, sess, pq, cn, n_pending = st.ai, st.af, st.sess, st.pq, st.counts, st.n_pending
+    a, b = af[PRIOR_A], af[PRIOR_B]
     s = st.session[i]
     if s >= 0:
-        j = st.last_req[s]
+        j = sess[S_LAST, s]
         if j < 0:
-            st.last_rank[s] = ai[LAST_NEXT]
+            sess[S_LAST_RANK, s] = ai[LAST_NEXT]
             ai[LAST_NEXT] += 1
         else:
             pos = _find(st.pq_req, ai[PQ_N], j)
-            if pos >= 0 and st.pq_w[pos] == st.pq_w[pos]:  # still pending: labelled continued
-                w = st.pq_w[pos]
-                st.pq_w[pos] = np.nan
+            if pos >= 0 and pq[PQ_W, pos] == pq[PQ_W, pos]:  # still pending: labelled continued
+                w = pq[PQ_W, pos]
+                pq[PQ_W, pos] = np.nan
                 k = st.bucket[j]
                 n_pending[k] -= 1
-                alive[k] -= w
-                c = continued[k] + 1
-                continued[k] = c
-                rates[k] = (c + alive[k] + a) / (c + ended[k] + n_pending[k] + a + b)
+                cn[ALIVE, k] -= w
+                c = cn[CONTINUED, k] + 1
+                cn[CONTINUED, k] = c
+                cn[RATES, k] = (c + cn[ALIVE, k] + a) / (c + cn[ENDED, k] + n_pending[k] + a + b)
                 _record(st, j, 1.0)
-        st.last_req[s] = i
+        sess[S_LAST, s] = i
     k = st.bucket[i]
-    w = rates[k] if opt[CENSORING] else 0.0
+    w = cn[RATES, k] if ai[CENSORING] else 0.0
     n = ai[PQ_N]
     st.pq_req[n] = i
-    st.pq_t[n] = now
-    st.pq_w[n] = w
+    pq[PQ_T, n] = now
+    pq[PQ_W, n] = w
     ai[PQ_N] = n + 1
     n_pending[k] += 1
-    alive[k] += w
-    c = continued[k]
-    r = (c + alive[k] + a) / (c + ended[k] + n_pending[k] + a + b)
-    rates[k] = r
-    if not opt[FEATURES]:
+    cn[ALIVE, k] += w
+    c = cn[CONTINUED, k]
+    r = (c + cn[ALIVE, k] + a) / (c + cn[ENDED, k] + n_pending[k] + a + b)
+    cn[RATES, k] = r
+    if not ai[FEATURES]:
         return r
     if P_CLIP <= r <= 1.0 - P_CLIP:
         x = math.log(r / (1.0 - r))
@@ -187,8 +186,8 @@ def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
     anything of it was done, to have its due refit run (REFIT_DUE) or its refresh (STALE), its z @ beta block computed
     (NEED_ZB) or the pending arrays grown (NEED_ROOM)."""
     st = borrow(st)  # no reference counting inside (jit.borrow says why)
-    ai, opt = st.ai, st.opt
-    has_model, density = opt[HAS_MODEL], opt[DENSITY]
+    ai = st.ai
+    has_model, density = ai[HAS_MODEL], ai[DENSITY]
     for i in range(i0, i1):
         now = times[i]
         nxt = ai[ARRIVALS] + 1
@@ -199,11 +198,11 @@ def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
                 o = ai[OFFERS] + 1
                 ai[OFFERS] = o
                 if o >= ai[NEXT_REFIT]:  # ContinuationModel.update_due
-                    ai[NEXT_REFIT] = o + max(1, min(MAX_REFIT_GAP, int(o * st.optf[GROWTH])))
+                    ai[NEXT_REFIT] = o + max(1, min(MAX_REFIT_GAP, int(o * st.af[GROWTH])))
                     return i, REFIT_DUE
             if now - st.af[REFIT_T] > st.af[STALE_AFTER]:  # ContinuationModel.stale (False while REFIT_T is NaN)
                 return i, STALE
-            if opt[FEATURES] and not (ai[ZB_FROM] <= i < ai[ZB_FROM] + ai[ZB_LEN]):
+            if ai[FEATURES] and not (ai[ZB_FROM] <= i < ai[ZB_FROM] + ai[ZB_LEN]):
                 return i, NEED_ZB
             if ai[PQ_N] == st.pq_req.size:
                 return i, NEED_ROOM
@@ -213,7 +212,7 @@ def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
         slot = 0
         if has_model:
             p = _model_arrive(st, i, now)
-            if opt[PE_ROUTING] and opt[MULTI] and p < st.optf[THRESHOLD]:
+            if ai[PE_ROUTING] and ai[MULTI] and p < st.af[THRESHOLD]:
                 q = PE
             if density:
                 slot = _slot_of(p)
@@ -221,14 +220,14 @@ def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
         if s >= 0:
             last = st.sess_t[s]
             if last != last:  # a new entry of the sessions' dict
-                st.sess_rank[s] = ai[SESS_NEXT]
+                st.sess[S_RANK, s] = ai[SESS_NEXT]
                 ai[SESS_NEXT] += 1
             elif q == CH or q == AG:
                 gap = now - last
                 if gap > 0:
                     _add_gap(st.gap, q, gap)
             st.sess_t[s] = now
-            st.sess_q[s] = q
+            st.sess[S_QUEUE, s] = q
         structural = 0
         if density:
             key = st.prefix_of[i]
@@ -275,17 +274,16 @@ class CompiledArrivals:
         ns = self.ids.size
         # Sessions: the last arrival and its queue (the arrivals' dict), the latest request (the model's dict), each
         # with its place in its dict's order; the entries of sessions this trace does not hold are kept aside.
-        sess_t, sess_q = np.full(ns, np.nan), np.zeros(ns, dtype=np.int8)
-        sess_rank, last_rank = np.zeros(ns, dtype=np.int64), np.zeros(ns, dtype=np.int64)
+        sess_t, sess = np.full(ns, np.nan), np.zeros((4, ns), dtype=np.int64)
+        sess[S_LAST] = -1
         ids = state["session_ids"]
         at, found, other = _split(ids, self.ids)
         sess_t[at[found]] = state["session_last"][found]
-        sess_q[at[found]] = state["session_queue"][found]
-        sess_rank[at[found]] = np.flatnonzero(found)
+        sess[S_QUEUE, at[found]] = state["session_queue"][found]
+        sess[S_RANK, at[found]] = np.flatnonzero(found)
         self._other_sessions = [(k, int(ids[k]), float(state["session_last"][k]), int(state["session_queue"][k]))
                                 for k in other]  # (rank, id, last arrival, queue)
         queue_of, prefix_of, prefix_last = arrivals.routes()
-        last_req = np.full(ns, -1, dtype=np.int64)
         self._other_last: list[tuple[int, int, int]] = []
         n_last = 0
         gap = np.zeros((4, 3))
@@ -293,18 +291,19 @@ class CompiledArrivals:
         if model is not None:
             lids, lreq = state["model_last_sessions"], state["model_last_requests"]
             at, found, other = _split(lids, self.ids)
-            last_req[at[found]] = lreq[found]
-            last_rank[at[found]] = np.flatnonzero(found)
+            sess[S_LAST, at[found]] = lreq[found]
+            sess[S_LAST_RANK, at[found]] = np.flatnonzero(found)
             self._other_last = [(j, int(lids[j]), int(lreq[j])) for j in other]
             n_last = lids.size
             pend = state["model_pending"]
             if pend.size > 1 and not np.all(np.diff(pend) > 0):
                 raise ValueError("compiled arrivals: pending requests out of arrival order")
             cap = max(2 * pend.size, 1024)
-            pq_req, pq_t, pq_w = np.zeros(cap, dtype=np.int64), np.zeros(cap), np.zeros(cap)
-            pq_req[:pend.size], pq_t[:pend.size], pq_w[:pend.size] = pend, state["model_pending_t"], \
+            pq_req, pq = np.zeros(cap, dtype=np.int64), np.zeros((2, cap))
+            pq_req[:pend.size], pq[PQ_T, :pend.size], pq[PQ_W, :pend.size] = pend, state["model_pending_t"], \
                 state["model_pending_w"]
-            rates, alive, continued, ended, n_pending, lab_n = model.counts()
+            *counts, n_pending, lab_n = model.counts()
+            counts = np.array(counts)
             lab_i, lab_y = model.labelled_buffer
             zb = np.zeros(1024)
             zb_from, zb_len = 0, 0
@@ -318,8 +317,7 @@ class CompiledArrivals:
             offers, next_refit, growth = int(state["model_offers"]), int(state["model_next_refit"]), model.refit_growth
             refit_t = model.last_refit
         else:
-            pq_req, pq_t, pq_w = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1)
-            rates, alive, continued, ended = np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1)
+            pq_req, pq, counts = np.zeros(1, dtype=np.int64), np.zeros((2, 1)), np.zeros((4, 1))
             n_pending, lab_n = np.zeros(1, dtype=np.int64), 0
             lab_i, lab_y, zb = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1)
             zb_from = zb_len = 0
@@ -329,17 +327,14 @@ class CompiledArrivals:
             refit_t = math.nan
         ai = np.array([state["arrivals"], state["prefix_uses"], state["prefix_reused"],
                        pend.size if model is not None else 0, lab_n, zb_from, zb_len, 0, ids.size, n_last, offers,
-                       next_refit],
-                      dtype=np.int64)
+                       next_refit, model is not None, arrivals.density, arrivals.pe_routing, arrivals.multi_queue,
+                       censoring, features, buffer], dtype=np.int64)
+        af = np.array([state["p_structural"], refit_t, math.inf, arrivals.continue_threshold, prior[0], prior[1],
+                       growth])
         self.state = ArrivalState(
-            queue_of=queue_of, session=session, prefix_of=prefix_of, bucket=bucket, sess_t=sess_t, sess_q=sess_q,
-            sess_rank=sess_rank, last_req=last_req, last_rank=last_rank, prefix_last=prefix_last, gap=gap,
-            pq_req=pq_req, pq_t=pq_t, pq_w=pq_w, rates=rates, alive=alive, continued=continued, ended=ended,
-            n_pending=n_pending, lab_i=lab_i, lab_y=lab_y, zb=zb, ai=ai,
-            af=np.array([state["p_structural"], refit_t, math.inf]),
-            opt=np.array([model is not None, arrivals.density, arrivals.pe_routing, arrivals.multi_queue, censoring,
-                          features, buffer], dtype=np.int64),
-            optf=np.array([arrivals.continue_threshold, prior[0], prior[1], growth]))
+            queue_of=queue_of, session=session, prefix_of=prefix_of, bucket=bucket, sess_t=sess_t, sess=sess,
+            prefix_last=prefix_last, gap=gap, pq_req=pq_req, pq=pq, counts=counts, n_pending=n_pending, lab_i=lab_i,
+            lab_y=lab_y, zb=zb, ai=ai, af=af)
 
     def run(self, a: int, b: int, out_q: np.ndarray, out_slot: np.ndarray, out_flags: np.ndarray,
             out_pst: np.ndarray) -> None:
@@ -365,20 +360,19 @@ class CompiledArrivals:
     def _grow(self) -> None:
         st = self.state
         n = int(st.ai[PQ_N])
-        grown = [np.zeros(2 * n, dtype=x.dtype) for x in (st.pq_req, st.pq_t, st.pq_w)]
-        for new, old in zip(grown, (st.pq_req, st.pq_t, st.pq_w), strict=True):
-            new[:n] = old[:n]
-        self.state = st._replace(pq_req=grown[0], pq_t=grown[1], pq_w=grown[2])
+        pq_req, pq = np.zeros(2 * n, dtype=np.int64), np.zeros((2, 2 * n))
+        pq_req[:n], pq[:, :n] = st.pq_req[:n], st.pq[:, :n]
+        self.state = st._replace(pq_req=pq_req, pq=pq)
 
     def _counts_to_model(self) -> None:
         st = self.state
-        self.arrivals.model.set_counts(st.rates, st.alive, st.continued, st.ended, st.n_pending, st.ai[LAB_N])
+        self.arrivals.model.set_counts(*st.counts, st.n_pending, st.ai[LAB_N])
 
     def _pending(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         st = self.state
         n = int(st.ai[PQ_N])
-        live = ~np.isnan(st.pq_w[:n])
-        return st.pq_req[:n][live], st.pq_t[:n][live], st.pq_w[:n][live]
+        live = ~np.isnan(st.pq[PQ_W, :n])
+        return st.pq_req[:n][live], st.pq[PQ_T, :n][live], st.pq[PQ_W, :n][live]
 
     def _refit(self, now: float, fit: bool = True) -> None:
         """ContinuationModel.update at an arrival where run() found an offer its schedule makes due (``fit``) or the
@@ -388,11 +382,10 @@ class CompiledArrivals:
         pend, t_pend, w_pend = self._pending()
         keep, soft = model.update_pending(now, self.arrivals.gaps, pend, t_pend, w_pend, fit=fit)
         m = soft.size
-        st.pq_req[:m], st.pq_t[:m], st.pq_w[:m] = pend[keep], t_pend[keep], soft
+        st.pq_req[:m], st.pq[PQ_T, :m], st.pq[PQ_W, :m] = pend[keep], t_pend[keep], soft
         st.ai[PQ_N] = m
-        rates, alive, continued, ended, n_pending, lab_n = model.counts()
-        st.rates[:], st.alive[:], st.continued[:], st.ended[:], st.n_pending[:] = (rates, alive, continued, ended,
-                                                                                  n_pending)
+        *counts, n_pending, lab_n = model.counts()
+        st.counts[:], st.n_pending[:] = counts, n_pending
         st.ai[LAB_N] = lab_n
         st.af[REFIT_T] = model.last_refit
         if model.zb_block_start < 0:  # the fit moved beta: p asks for a new block
@@ -418,8 +411,8 @@ class CompiledArrivals:
         state = arrivals.export_state()  # what the compiled state does not hold (the model's beta, labels, zb)
         # the dicts in the Python engine's order: insertion order, which the ranks record
         seen = np.flatnonzero(~np.isnan(st.sess_t))
-        entries = sorted(self._other_sessions + list(zip(st.sess_rank[seen].tolist(), self.ids[seen].tolist(),
-                                                         st.sess_t[seen].tolist(), st.sess_q[seen].tolist(),
+        entries = sorted(self._other_sessions + list(zip(st.sess[S_RANK, seen].tolist(), self.ids[seen].tolist(),
+                                                         st.sess_t[seen].tolist(), st.sess[S_QUEUE, seen].tolist(),
                                                          strict=True)))
         state.update({"arrivals": int(st.ai[ARRIVALS]), "prefix_uses": int(st.ai[PREFIX_USES]),
                       "prefix_reused": int(st.ai[PREFIX_REUSED]),
@@ -427,9 +420,9 @@ class CompiledArrivals:
                       "session_last": np.array([e[2] for e in entries], dtype=np.float64),
                       "session_queue": np.array([e[3] for e in entries], dtype=np.int64)})
         if model is not None:
-            has = np.flatnonzero(st.last_req >= 0)
-            last = sorted(self._other_last + list(zip(st.last_rank[has].tolist(), self.ids[has].tolist(),
-                                                      st.last_req[has].tolist(), strict=True)))
+            has = np.flatnonzero(st.sess[S_LAST] >= 0)
+            last = sorted(self._other_last + list(zip(st.sess[S_LAST_RANK, has].tolist(), self.ids[has].tolist(),
+                                                      st.sess[S_LAST, has].tolist(), strict=True)))
             pend, t_pend, w_pend = self._pending()
             state.update({"model_last_sessions": np.array([e[1] for e in last], dtype=np.int64),
                           "model_last_requests": np.array([e[2] for e in last], dtype=np.int64),

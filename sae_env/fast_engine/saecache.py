@@ -71,36 +71,36 @@ N_ST = 16  # structural groups are queue-type codes 8 .. 15 (they carry no conti
 REFIT, STRUCTURAL = 1, 2  # request flags
 
 
+# The state's packed rows (a kernel loads and unboxes every array of its state tuple: each costs ~55 us at a
+# process's first replay, so fields of one length and type share an array). Per request (int32): its queue and
+# continuation bin (set at its arrival), REFIT | STRUCTURAL, whether its output holds reasoning, whether it arrived
+# and has not completed, its prompt blocks (at least 1).
+R_Q, R_SLOT, R_FLAGS, R_REASON, R_LIVE, R_NPROMPT = range(6)
+# Per group (int32): blocks in its list and returned set, the groups seen in order (N_SEEN of them, by position, not
+# by group), its best candidate's slot, whether it was seen, whether its candidates are up to date, whether it is
+# dirty (SAECachePolicy._dirty: blocks joined since its last scan), the candidates a sampled structural group holds
+# from its last scan (-1: never scanned), then its three candidates (-1: none).
+G_COUNT, G_ORDER, G_SLOT, G_SEEN, G_FRESH, G_DIRTY, G_HN, G_CAND = range(8)
+G_STAMP, G_EPOCH = range(2)  # per group (int64): its best candidate's release stamp, the constants' epoch then
+G_SCORE, G_NOW = range(2)  # per group (float64): its best candidate's score, the instant it was computed at
+Q_HITS, Q_OCC = range(2)  # per queue (int64): hits this window, cached blocks
+
+
 class SAEState(NamedTuple):
-    req_q: np.ndarray  # int8 per request: its queue (set at its arrival)
-    req_slot: np.ndarray  # int8 per request: its continuation bin
-    req_flags: np.ndarray  # int8 per request: REFIT | STRUCTURAL
+    req: np.ndarray  # int32 [R_*, request]
     req_pst: np.ndarray  # float64 per request: the structural continuation rate after its arrival
-    n_prompt: np.ndarray  # int32 per request: prompt blocks (at least 1)
-    reasoning: np.ndarray  # int8 per request: its output holds reasoning
-    inflight: np.ndarray  # int8 per request: arrived, not completed
-    gcount: np.ndarray  # int32 per group: blocks in its list and returned set
-    seen: np.ndarray  # int32 the groups seen, in order (N_SEEN of them)
-    gseen: np.ndarray  # int8 per group
-    gscore: np.ndarray  # float64 per group: its best candidate's score ...
-    gstamp: np.ndarray  # int64 ... stamp ...
-    gslot: np.ndarray  # int32 ... slot ...
-    gnow: np.ndarray  # float64 ... the instant ...
-    gep: np.ndarray  # int64 ... and the constants' epoch it was computed at
-    gcand: np.ndarray  # int32 [group, 3]: its candidates (-1: none)
-    gfresh: np.ndarray  # int8 per group: its candidates are up to date
+    gi: np.ndarray  # int32 [G_*, group] (G_CAND + 0 .. 2: the candidates)
+    gl: np.ndarray  # int64 [G_STAMP | G_EPOCH, group]
+    gf: np.ndarray  # float64 [G_SCORE | G_NOW, group]
     slotp: np.ndarray  # float64 per bin: the continuation probability it stands for
     gaps: np.ndarray  # float64 [queue, (mu, sigma sqrt 2, mean, mu + sigma^2)]
     coef: np.ndarray  # float64 per queue-type code: alpha_q * w_type
     root: np.ndarray  # int64 [1]: the treap's root (sae_env.fast_engine.treap)
-    qhits: np.ndarray  # int64 per queue: hits this window
-    occ: np.ndarray  # int64 per queue: cached blocks
+    qn: np.ndarray  # int64 [Q_HITS | Q_OCC, queue]
     # Sampled structural groups (the paper's ranking, or position decay): see _walk.
     offset: np.ndarray  # float64 per slot: a structural block's relative offset x_b (one entry when unsampled)
-    gdirty: np.ndarray  # int8 per group: SAECachePolicy._dirty (blocks joined since its last scan)
-    hn: np.ndarray  # int32 per structural group: candidates held from its last scan (-1: never scanned)
-    hslot: np.ndarray  # int32 [structural group, candidate]: their slots ...
-    hstamp: np.ndarray  # int64 ... and release stamps then
+    hslot: np.ndarray  # int32 [structural group, candidate]: the candidates held from its last scan ...
+    hstamp: np.ndarray  # int64 ... and their release stamps then
     si: np.ndarray
     sf: np.ndarray
 
@@ -112,11 +112,11 @@ def _add(ps, rec, s, where):
     g = rec[s, GROUP]
     rec[s, WHERE] = where
     tp.insert(ps.root, rec, np.int64(s))  # one compiled insert for every caller's slot type
-    ps.gcount[g] += 1
-    ps.gfresh[g] = 0
-    if not ps.gseen[g]:
-        ps.gseen[g] = 1
-        ps.seen[ps.si[N_SEEN]] = g
+    ps.gi[G_COUNT, g] += 1
+    ps.gi[G_FRESH, g] = 0
+    if not ps.gi[G_SEEN, g]:
+        ps.gi[G_SEEN, g] = 1
+        ps.gi[G_ORDER, ps.si[N_SEEN]] = g
         ps.si[N_SEEN] += 1
 
 
@@ -125,8 +125,8 @@ def _remove(ps, rec, s):
     g = rec[s, GROUP]
     tp.delete(ps.root, rec, np.int64(s))
     rec[s, WHERE] = 0
-    ps.gcount[g] -= 1
-    ps.gfresh[g] = 0
+    ps.gi[G_COUNT, g] -= 1
+    ps.gi[G_FRESH, g] = 0
 
 
 @inline
@@ -138,27 +138,23 @@ def _return(ps, rec, s):
             return
         rec[s, STAMP] = -rec[s, STAMP]
     _add(ps, rec, s, 2)
-    ps.gdirty[rec[s, GROUP]] = 1
+    ps.gi[G_DIRTY, rec[s, GROUP]] = 1
 
 
 class Sets(NamedTuple):
     """The part of the state that moving a block into its group's sets touches (what _return reads and writes), for
-    the compiled functions the kernel calls rather than inlines: a call copies every array it is passed, and the
-    whole state is 31 of them (passing it to flush and _group_cands cost about 0.2 us a call: 2 ms of a warm
+    the compiled functions the kernel calls rather than inlines: a call copies every array it is passed (passing
+    the whole state, then 31 arrays, to flush and _group_cands cost about 0.2 us a call: 2 ms of a warm
     4,000-request replay, 9,000 calls)."""
     root: np.ndarray
-    gcount: np.ndarray
-    gfresh: np.ndarray
-    gseen: np.ndarray
-    seen: np.ndarray
+    gi: np.ndarray
     si: np.ndarray
-    gdirty: np.ndarray
 
 
 @inline
 def sets(ps):
     """The Sets of state ``ps`` (the same arrays)."""
-    return Sets(ps.root, ps.gcount, ps.gfresh, ps.gseen, ps.seen, ps.si, ps.gdirty)
+    return Sets(ps.root, ps.gi, ps.si)
 
 
 @jit
@@ -237,7 +233,7 @@ def _consider(ps, c, g, s, now, best, bscore, bstamp):
 
 
 @jit
-def _group_cands(root, rec, gcand, gfresh, dens, g):
+def _group_cands(root, rec, gi, dens, g):
     """SAECachePolicy._candidates of group ``g``: its list's head, its returned set's oldest, and under the hit
     density the newest of both (if another block); kept until the group changes. (The arrays it needs, not the
     whole state: a call copies what it is passed.)"""
@@ -262,10 +258,10 @@ def _group_cands(root, rec, gcand, gfresh, dens, g):
             newest = rt
         if newest == a or newest == b:
             newest = -1
-    gcand[g, 0] = a
-    gcand[g, 1] = b
-    gcand[g, 2] = newest
-    gfresh[g] = 1
+    gi[G_CAND, g] = a
+    gi[G_CAND + 1, g] = b
+    gi[G_CAND + 2, g] = newest
+    gi[G_FRESH, g] = 1
 
 
 @inline
@@ -273,23 +269,23 @@ def _group_best(ps, c, g, now):
     """SAECachePolicy._least of group ``g``'s candidates at ``now``, stored per group."""
     best, bscore, bstamp = -1, 0.0, np.int64(0)
     for k in range(3):
-        best, bscore, bstamp = _consider(ps, c, g, ps.gcand[g, k], now, best, bscore, bstamp)
-    ps.gslot[g] = best
-    ps.gscore[g] = bscore
-    ps.gstamp[g] = bstamp
-    ps.gnow[g] = now
-    ps.gep[g] = ps.si[EPOCH]
+        best, bscore, bstamp = _consider(ps, c, g, ps.gi[G_CAND + k, g], now, best, bscore, bstamp)
+    ps.gi[G_SLOT, g] = best
+    ps.gf[G_SCORE, g] = bscore
+    ps.gl[G_STAMP, g] = bstamp
+    ps.gf[G_NOW, g] = now
+    ps.gl[G_EPOCH, g] = ps.si[EPOCH]
 
 
 @inline
 def _held_best(ps, c, g, now):
     """_group_best over a sampled structural group's held candidates."""
     best, bscore, bstamp = -1, 0.0, np.int64(0)
-    for k in range(ps.hn[g]):
+    for k in range(ps.gi[G_HN, g]):
         best, bscore, bstamp = _consider(ps, c, g, ps.hslot[g, k], now, best, bscore, bstamp)
-    ps.gslot[g] = best
-    ps.gscore[g] = bscore
-    ps.gstamp[g] = bstamp
+    ps.gi[G_SLOT, g] = best
+    ps.gf[G_SCORE, g] = bscore
+    ps.gl[G_STAMP, g] = bstamp
 
 
 @jit
@@ -335,14 +331,14 @@ def _walk(ps, c, g, now):
         ps.hslot[g, n] = x
         ps.hstamp[g, n] = rec[x, STAMP]
         n += 1
-    ps.hn[g] = n
+    ps.gi[G_HN, g] = n
     _held_best(ps, c, g, now)
 
 
 @inline
 def _held_invalid(ps, rec, g):
     """A held candidate was pinned, re-released, evicted or gained a child since the scan."""
-    for k in range(ps.hn[g]):
+    for k in range(ps.gi[G_HN, g]):
         s = ps.hslot[g, k]
         if rec[s, STAMP] != ps.hstamp[g, k] or rec[s, PIN] != 0 or rec[s, NCHILD] != 0:
             return True
@@ -359,24 +355,24 @@ def _select(ps, c, now, full, rescore):
     sampled = si[SAMPLED]
     best, bflag, bscore, bstamp = -1, 2, 0.0, np.int64(0)
     for k in range(si[N_SEEN]):
-        g = ps.seen[k]
+        g = ps.gi[G_ORDER, k]
         if sampled and g < N_ST and g // _TYPES == ST:
-            if ps.gdirty[g] or (full and (ps.hn[g] < 0 or rescore or _held_invalid(ps, c.rec, g))):
+            if ps.gi[G_DIRTY, g] or (full and (ps.gi[G_HN, g] < 0 or rescore or _held_invalid(ps, c.rec, g))):
                 _walk(ps, c, g, now)
-                ps.gdirty[g] = 0
-            if ps.hn[g] < 0 or ps.gslot[g] < 0:
+                ps.gi[G_DIRTY, g] = 0
+            if ps.gi[G_HN, g] < 0 or ps.gi[G_SLOT, g] < 0:
                 continue
-        elif ps.gcount[g] == 0:
+        elif ps.gi[G_COUNT, g] == 0:
             continue
-        elif not ps.gfresh[g]:
-            _group_cands(ps.root, c.rec, ps.gcand, ps.gfresh, si[DENS], g)
+        elif not ps.gi[G_FRESH, g]:
+            _group_cands(ps.root, c.rec, ps.gi, si[DENS], g)
             _group_best(ps, c, g, now)
-        elif ps.gep[g] != epoch or ps.gnow[g] != now:
+        elif ps.gl[G_EPOCH, g] != epoch or ps.gf[G_NOW, g] != now:
             _group_best(ps, c, g, now)
         flag = 0 if (multi and (g % GROUP_SLOT) // _TYPES == PE) else 1
-        score, stamp = ps.gscore[g], ps.gstamp[g]
+        score, stamp = ps.gf[G_SCORE, g], ps.gl[G_STAMP, g]
         if best < 0 or flag < bflag or (flag == bflag and (score < bscore or (score == bscore and stamp < bstamp))):
-            best, bflag, bscore, bstamp = ps.gslot[g], flag, score, stamp
+            best, bflag, bscore, bstamp = ps.gi[G_SLOT, g], flag, score, stamp
     return best
 
 
@@ -395,7 +391,7 @@ def _request(ps, c, j, now):
     if not si[HAS_T0]:
         sf[WIN_T0] = now
         si[HAS_T0] = 1
-    f = ps.req_flags[j]
+    f = ps.req[R_FLAGS, j]
     if f & REFIT:  # SAECachePolicy._refit: the turnover time
         elapsed = now - sf[WIN_T0]
         if elapsed > 0 and si[WIN_INS]:
@@ -408,29 +404,29 @@ def _request(ps, c, j, now):
             sf[HORIZON] = sf[CAPACITY] / sf[INS_RATE]
             si[HAS_HOR] = 1
         _changed(ps)
-    q = ps.req_q[j]
-    ps.inflight[j] = 1
+    q = ps.req[R_Q, j]
+    ps.req[R_LIVE, j] = 1
     si[PQ] = q
     si[OQ] = q
-    si[SLOT] = ps.req_slot[j]
-    si[NPROMPT] = ps.n_prompt[j]
+    si[SLOT] = ps.req[R_SLOT, j]
+    si[NPROMPT] = ps.req[R_NPROMPT, j]
     if f & STRUCTURAL:  # SAECachePolicy.on_request: the structural groups' density moved, no other group's
         sf[PST] = ps.req_pst[j]
         for g in range(ST * _TYPES, (ST + 1) * _TYPES):
-            ps.gep[g] = -1  # rescored at the next selection
-            ps.gdirty[g] = 1  # a sampled one scanned again (an unsampled one is rescored over its candidates)
+            ps.gl[G_EPOCH, g] = -1  # rescored at the next selection
+            ps.gi[G_DIRTY, g] = 1  # a sampled one scanned again (an unsampled one is rescored over its candidates)
         si[STALE] = 1
 
 
 @implements(SAEState, "on_complete")
 def _complete(ps, c, j, now):
     si = ps.si
-    si[OREASON] = ps.reasoning[j]
-    if ps.inflight[j]:
-        ps.inflight[j] = 0
-        si[OQ] = ps.req_q[j]
-        si[SLOT] = ps.req_slot[j]
-    si[NPROMPT] = ps.n_prompt[j]
+    si[OREASON] = ps.req[R_REASON, j]
+    if ps.req[R_LIVE, j]:
+        ps.req[R_LIVE, j] = 0
+        si[OQ] = ps.req[R_Q, j]
+        si[SLOT] = ps.req[R_SLOT, j]
+    si[NPROMPT] = ps.req[R_NPROMPT, j]
 
 
 @implements(SAEState, "on_insert")
@@ -453,15 +449,15 @@ def _insert(ps, c, s, now):
     rec[s, WHERE] = 0
     if si[SAMPLED]:  # x_b, the block's relative offset
         ps.offset[s] = min(rec[s, DEPTH] / si[NPROMPT], 1.0) if q == ST else 0.0
-    ps.occ[q] += 1
+    ps.qn[Q_OCC, q] += 1
     si[WIN_INS] += 1
 
 
 @implements(SAEState, "on_hit")
 def _hit(ps, c, path, i0, i1, now):
-    rec, qh = c.rec, ps.qhits
+    rec, qn = c.rec, ps.qn
     for i in range(i0, i1):
-        qh[rec[path[i], QUEUE]] += 1
+        qn[Q_HITS, rec[path[i], QUEUE]] += 1
 
 
 @implements(SAEState, "on_acquire")
@@ -495,7 +491,7 @@ def _release(ps, c, path, i0, i1, now):
         rec[s, GROUP] = g
         if rec[s, NCHILD] == 0 or (q == ST and si[SAMPLED]):  # a sampled structural group lists inner nodes too
             _add(ps, rec, s, 1)
-            ps.gdirty[g] = 1
+            ps.gi[G_DIRTY, g] = 1
     si[SEQ] = seq
 
 
@@ -517,7 +513,7 @@ def _take(ps, c, v):
     rec = c.rec
     si = ps.si
     q = rec[v, QUEUE]
-    ps.occ[q] -= 1
+    ps.qn[Q_OCC, q] -= 1
     stamp = rec[v, STAMP]
     if rec[v, WHERE] != 0:
         _remove(ps, rec, v)
@@ -556,7 +552,7 @@ def _evict(ps, c, now):
     v = _select(ps, c, now, full, rescore)
     if v < 0:
         return -1
-    ps.gdirty[rec[v, GROUP]] = 1
+    ps.gi[G_DIRTY, rec[v, GROUP]] = 1
     return _take(ps, c, v)
 
 
@@ -610,29 +606,26 @@ class SAECacheTwin(Twin):
         sf[[CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, CAPACITY]] = [
             cand_now, state["now"], horizon, ins_rate, win_t0, arrivals.p_structural, policy.min_dt,
             float(self.capacity)]
-        inflight = np.zeros(m, dtype=np.int8)
-        req_q, req_slot = np.zeros(m, dtype=np.int8), np.zeros(m, dtype=np.int8)
-        req = state["inflight"]
-        inflight[req], req_q[req], req_slot[req] = 1, state["inflight_queue"], state["inflight_slot"]
+        req = np.zeros((6, m), dtype=np.int32)
+        req[R_REASON], req[R_NPROMPT] = arrivals.reasoning_of, arrivals.n_prompt_of
+        live = state["inflight"]
+        req[R_LIVE, live], req[R_Q, live], req[R_SLOT, live] = 1, state["inflight_queue"], state["inflight_slot"]
+        gi = np.zeros((G_CAND + 3, N_GROUPS), dtype=np.int32)
+        gi[G_DIRTY], gi[G_HN, :N_ST], gi[G_CAND:] = 1, -1, -1
+        gl = np.zeros((2, N_GROUPS), dtype=np.int64)
+        gl[G_EPOCH] = -1
+        qn = np.zeros((2, N_QUEUES), dtype=np.int64)
+        qn[Q_OCC], qn[Q_HITS] = state["occupancy"], state["queue_hits"]
         self.state = SAEState(
-            req_q=req_q, req_slot=req_slot, req_flags=np.zeros(m, dtype=np.int8), req_pst=np.zeros(m),
-            n_prompt=np.asarray(arrivals.n_prompt_of, dtype=np.int32),
-            reasoning=np.asarray(arrivals.reasoning_of, dtype=np.int8), inflight=inflight,
-            gcount=np.zeros(N_GROUPS, dtype=np.int32), seen=np.zeros(N_GROUPS, dtype=np.int32),
-            gseen=np.zeros(N_GROUPS, dtype=np.int8), gscore=np.zeros(N_GROUPS), gstamp=np.zeros(N_GROUPS, np.int64),
-            gslot=np.zeros(N_GROUPS, dtype=np.int32), gnow=np.zeros(N_GROUPS),
-            gep=np.full(N_GROUPS, -1, dtype=np.int64), gcand=np.full((N_GROUPS, 3), -1, dtype=np.int32),
-            gfresh=np.zeros(N_GROUPS, dtype=np.int8), slotp=np.array([slot_p(k) for k in range(N_SLOTS + 1)]),
-            gaps=np.zeros((N_QUEUES, 4)), coef=np.zeros(GROUP_SLOT), root=np.full(1, -1, dtype=np.int64),
-            qhits=np.zeros(N_QUEUES, dtype=np.int64), occ=np.zeros(N_QUEUES, dtype=np.int64),
-            offset=np.zeros(core.rec.shape[0] if sampled else 1), gdirty=np.ones(N_GROUPS, dtype=np.int8),
-            hn=np.full(N_ST, -1, dtype=np.int32), hslot=np.zeros((N_ST, 2 * policy.sample), dtype=np.int32),
+            req=req, req_pst=np.zeros(m), gi=gi, gl=gl, gf=np.zeros((2, N_GROUPS)),
+            slotp=np.array([slot_p(k) for k in range(N_SLOTS + 1)]), gaps=np.zeros((N_QUEUES, 4)),
+            coef=np.zeros(GROUP_SLOT), root=np.full(1, -1, dtype=np.int64), qn=qn,
+            offset=np.zeros(core.rec.shape[0] if sampled else 1),
+            hslot=np.zeros((N_ST, 2 * policy.sample), dtype=np.int32),
             hstamp=np.zeros((N_ST, 2 * policy.sample), dtype=np.int64), si=si, sf=sf)
         if sampled and "offset" in state:
             self.state.offset[:n] = state["offset"]
         self.compiled = compiled(arrivals)  # the per-arrival state, as arrays (None: Python arrivals)
-        self.state.occ[:] = state["occupancy"]
-        self.state.qhits[:] = state["queue_hits"]
         self._constants()
         rec = core.rec
         queue, types = rec[:n, QUEUE], rec[:n, BTYPE]
@@ -667,7 +660,7 @@ class SAECacheTwin(Twin):
         """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring)."""
         ps = self.state
         if self.compiled is not None:
-            self.compiled.run(a, b, ps.req_q, ps.req_slot, ps.req_flags, ps.req_pst)
+            self.compiled.run(a, b, ps.req[R_Q], ps.req[R_SLOT], ps.req[R_FLAGS], ps.req_pst)
             return
         arrivals, trace = self.arrivals, self.trace
         t = trace.t[a:b].tolist()
@@ -678,7 +671,7 @@ class SAECacheTwin(Twin):
             slot.append(si)
             flags.append(REFIT * refit + STRUCTURAL * structural)
             pst.append(arrivals.p_structural)
-        ps.req_q[a:b], ps.req_slot[a:b], ps.req_flags[a:b], ps.req_pst[a:b] = q, slot, flags, pst
+        ps.req[R_Q, a:b], ps.req[R_SLOT, a:b], ps.req[R_FLAGS, a:b], ps.req_pst[a:b] = q, slot, flags, pst
 
     def _python_arrivals(self):
         """The arrivals object, with the compiled arrivals' state written back into it."""
@@ -693,7 +686,7 @@ class SAECacheTwin(Twin):
         rec = core.rec[:n]
         queue = rec[:, QUEUE]
         temporal = (queue == CH) | (queue == AG)
-        inflight = np.flatnonzero(ps.inflight)
+        inflight = np.flatnonzero(ps.req[R_LIVE])
         nan = math.nan
         return {"stamp": rec[:, STAMP].astype(np.int64), "where": rec[:, WHERE].astype(np.int64),
                 "group": np.where(temporal, rec[:, GROUP], -1).astype(np.int64),
@@ -701,17 +694,17 @@ class SAECacheTwin(Twin):
                 "next_stamp": int(si[NEXT_STAMP]), "deferred": int(si[DEFERRED]), "stale": int(si[STALE]),
                 "cand_now": float(sf[CAND_NOW]) if si[CAND_OK] else nan, "now": float(sf[NOW]),
                 "prompt_queue": int(si[PQ]), "output_queue": int(si[OQ]), "slot": int(si[SLOT]),
-                "n_prompt": int(si[NPROMPT]), "output_reasoning": int(si[OREASON]), "occupancy": ps.occ.copy(),
-                "queue_hits": ps.qhits.copy(), "horizon": float(sf[HORIZON]) if si[HAS_HOR] else nan,
+                "n_prompt": int(si[NPROMPT]), "output_reasoning": int(si[OREASON]), "occupancy": ps.qn[Q_OCC].copy(),
+                "queue_hits": ps.qn[Q_HITS].copy(), "horizon": float(sf[HORIZON]) if si[HAS_HOR] else nan,
                 "ins_rate": float(sf[INS_RATE]) if si[HAS_RATE] else nan, "window_inserted": int(si[WIN_INS]),
                 "window_t0": float(sf[WIN_T0]) if si[HAS_T0] else nan, "inflight": inflight.astype(np.int64),
-                "inflight_queue": ps.req_q[inflight].astype(np.int64),
-                "inflight_slot": ps.req_slot[inflight].astype(np.int64), **self._python_arrivals().export_state(),
+                "inflight_queue": ps.req[R_Q, inflight].astype(np.int64),
+                "inflight_slot": ps.req[R_SLOT, inflight].astype(np.int64), **self._python_arrivals().export_state(),
                 **({"offset": np.where(queue == ST, ps.offset[:n], 0.0)} if self.policy.switches["position_decay"]
                    else {})}
 
     def begin_window(self) -> None:  # SAECachePolicy.reset_window
-        self.state.qhits[:] = 0
+        self.state.qn[Q_HITS] = 0
         if self.compiled is not None:
             self.compiled.reset_window()
         else:
@@ -730,7 +723,7 @@ class SAECacheTwin(Twin):
             horizon = None
         if self.compiled is not None:
             self.compiled.stats_to_python()
-        return window_stats(self.arrivals, ps.qhits.tolist(), ps.occ.tolist(), self.policy.params, horizon)
+        return window_stats(self.arrivals, ps.qn[Q_HITS].tolist(), ps.qn[Q_OCC].tolist(), self.policy.params, horizon)
 
     def occupancy_by_queue(self, n: int) -> dict[int, int]:
-        return {q: k for q, k in enumerate(self.state.occ.tolist()) if k}
+        return {q: k for q, k in enumerate(self.state.qn[Q_OCC].tolist()) if k}
