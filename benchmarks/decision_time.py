@@ -4,13 +4,18 @@ in the first replay of a fresh process, so loading each policy's compiled kernel
 trace, each in a new process.
 
     python benchmarks/decision_time.py [--traces wildchat,taubench,...] [--runs 5] [--warmup 1] [--capacity 0.1]
-        [--policy saecache] [--against lpc] [--policy-opt KEY=VALUE ...] [--opt KEY=VALUE ...] [--json FILE]
+        [--policy saecache] [--against lpc] [--policy-opt KEY=VALUE ...] [--opt KEY=VALUE ...] [--repeat N]
+        [--json FILE]
 
 Prints one row per trace: the ratio (policy over against, each run's own pair) as median and range over the runs,
 and each policy's median us per request; the last line is ``ratio_max=...``, the largest median. These machines are
 noisy: a run's ratio moves by 5-10 % from run to run, hence several runs and the median. One unreported run comes
 first (``--warmup``): after an install or an edit of the package, the first process compiles the kernels that the
 others load.
+
+``--repeat N`` times each trace made N times longer at the same arrival rate (:func:`repeated`: N copies one after
+another, each with sessions and blocks of its own): what a policy's decision time does as a trace grows, where
+loading the kernels weighs less and the per-request work more.
 """
 
 from __future__ import annotations
@@ -23,10 +28,32 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from sae_env.files import check_output_file, write_json
+from sae_env.trace import Trace, concat
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ("wildchat", "taubench", "bailian", "mooncake_arxiv", "mooncake_synthetic")
+
+
+def repeated(trace: Trace, n: int) -> Trace:
+    """``trace`` ``n`` times in a row: copy ``k`` arrives ``k`` times (the span plus one mean gap) later, with its own
+    session ids and block keys (XOR with a per-copy constant: equal keys stay equal within a copy, and copies share
+    no block, not even a system prompt, so a copy's hits are its own)."""
+    span = float(trace.t[-1] - trace.t[0]) if len(trace) else 0.0
+    step = span + (span / (len(trace) - 1) if len(trace) > 1 else 1.0)
+    sessions = int(trace.session.max()) + 1 if len(trace) else 0
+    copies = []
+    for k in range(n):
+        c = trace.take(np.arange(len(trace)))
+        salt = np.int64(np.uint64((0x9E3779B97F4A7C15 * k) % 2**64).view(np.int64))
+        c.t = trace.t + k * step
+        c.session = np.where(trace.session >= 0, trace.session + k * sessions, trace.session)
+        c.prompt_keys = trace.prompt_keys ^ salt
+        c.output_keys = trace.output_keys ^ salt
+        copies.append(c)
+    return concat(copies)
 
 
 def one_run(trace: str, policy: str, against: str, capacity: str, extra: list[str]) -> dict[str, float]:
@@ -58,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="passed to replay (repeatable), e.g. --policy-opt continuation=false")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="a source option passed to replay (repeatable)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="time each trace made N times longer at the same arrival rate (N copies in a row, each with "
+                        "its own sessions and blocks; default 1: the trace as it is)")
     p.add_argument("--json", metavar="FILE", help="also write every run's figures as JSON")
     args = p.parse_args(argv)
     traces = [x.strip() for x in args.traces.split(",") if x.strip()]
@@ -70,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup < 0:
         print(f"error: --warmup must be at least 0, got {args.warmup}", file=sys.stderr)
         return 2
+    if args.repeat < 1:
+        print(f"error: --repeat must be at least 1, got {args.repeat}", file=sys.stderr)
+        return 2
     if args.policy == args.against:
         print(f"error: --policy and --against are both {args.policy!r}", file=sys.stderr)
         return 2
@@ -79,7 +112,22 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    extra = [x for kv in args.policy_opt for x in ("--policy-opt", kv)] + [x for kv in args.opt for x in ("--opt", kv)]
+    extra = [x for kv in args.policy_opt for x in ("--policy-opt", kv)]
+    tmp = tempfile.TemporaryDirectory()
+    paths = {t: t for t in traces}
+    if args.repeat > 1:  # the source options went into the written traces
+        from sae_env.cli import UsageError, parse_options
+        from sae_env.sources import open_trace
+
+        for t in traces:
+            try:
+                base, _ = open_trace(t, None, parse_options(args.opt), None)
+            except (UsageError, ValueError, OSError) as e:
+                print(f"error: {t}: {e}", file=sys.stderr)
+                return 2
+            paths[t] = repeated(base, args.repeat).save(Path(tmp.name) / f"{t}_x{args.repeat}.npz")
+    else:
+        extra += [x for kv in args.opt for x in ("--opt", kv)]
     from tqdm import tqdm
 
     results: dict[str, list[dict[str, float]]] = {t: [] for t in traces}
@@ -88,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         for trace, kept in jobs:
             bar.set_postfix_str(trace if kept is not None else f"{trace} (warm-up)")
             try:
-                run = one_run(trace, args.policy, args.against, args.capacity, extra)
+                run = one_run(str(paths[trace]), args.policy, args.against, args.capacity, extra)
             except RuntimeError as e:
                 bar.close()
                 why = str(e).removeprefix("error: ")
@@ -98,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                 kept.append(run)
             bar.update()
     label = args.policy + "".join(f" {kv}" for kv in args.policy_opt)
+    tmp.cleanup()
+    longer = f", each trace {args.repeat} times longer (--repeat)" if args.repeat > 1 else ""
     print(f"decision_us_per_request of `train.py replay --capacity {args.capacity}`, first replay of a process, "
-          f"{args.runs} run(s) per trace after {args.warmup} unreported: {label} over {args.against}")
+          f"{args.runs} run(s) per trace after {args.warmup} unreported{longer}: {label} over {args.against}")
     print(f"| trace | {args.policy} / {args.against}: median (range) | {args.policy} us/request | "
           f"{args.against} us/request |")
     print("|---|---|---|---|")

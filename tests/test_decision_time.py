@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from sae_env.metrics import summarize
+from sae_env.policies import make_policy
+from sae_env.replay import replay
+from sae_env.sources import open_trace
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "decision_time.py"
 
@@ -19,6 +26,8 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(("args", "says"), [
     (("--runs", "0"), "--runs must be at least 1, got 0"),
+    (("--repeat", "0"), "--repeat must be at least 1, got 0"),
+    (("--traces", "no_such_trace", "--repeat", "2"), "no_such_trace: say which format no_such_trace is in"),
     (("--traces", ","), "--traces: no trace named"),
     (("--warmup", "-1"), "--warmup must be at least 0, got -1"),
     (("--policy", "lpc"), "--policy and --against are both 'lpc'"),
@@ -52,3 +61,31 @@ def test_one_run_prints_the_ratio_of_the_two_replays(tmp_path):
     runs = saved["runs"]["mooncake_arxiv"]
     assert saved["warmup"] == 1  # the default: its run is not among the two
     assert len(runs) == 2 and all(set(r) == {"lpc", "saecache"} and min(r.values()) > 0 for r in runs)
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("decision_time", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_repeat_makes_copies_that_share_nothing():
+    """--repeat's longer trace: n copies in a row at the same arrival rate, each with sessions and blocks of its own.
+    Differential check: LRU never evicts a newer block while an older one is cached, so a copy's blocks see a cache
+    full of the previous copies' as an empty one: n times the hits of the trace itself."""
+    trace, _ = open_trace("mooncake_arxiv")
+    longer = _module().repeated(trace, 3)
+    n = len(trace)
+    assert len(longer) == 3 * n and np.all(np.diff(longer.t) >= 0)
+    np.testing.assert_allclose(longer.t[n:2 * n] - trace.t, longer.t[n] - trace.t[0], rtol=0, atol=1e-9)
+    assert longer.t[n] > trace.t[-1]
+    copies = [set(longer.prompt_keys[longer.prompt_offsets[k * n]:longer.prompt_offsets[(k + 1) * n]].tolist())
+              for k in range(3)]
+    assert not (copies[0] & copies[1]) and not (copies[1] & copies[2])
+    assert len(copies[0]) == len(set(trace.prompt_keys.tolist()))
+    known = longer.session[longer.session >= 0]
+    assert np.unique(known).size == 3 * np.unique(trace.session[trace.session >= 0]).size
+    capacity = 400
+    hits = [summarize(replay(t, make_policy("lru"), capacity).windows)["hit_tokens"] for t in (trace, longer)]
+    assert hits[1] == 3 * hits[0] > 0

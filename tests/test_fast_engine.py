@@ -516,3 +516,32 @@ def test_the_kernel_cache_stamp_covers_the_modules_the_package_imports_from(tmp_
     root = Path(fast_engine.__file__).resolve().parent.parent.parent
     real = {f.relative_to(root).as_posix() for f in stamped_files()}
     assert {"sae_env/policies/arrivals.py", "sae_env/trace.py", "sae_env/fast_engine/loop.py"} <= real
+
+
+@pytest.mark.parametrize("gone", ["class", "module"])
+def test_a_cache_index_naming_a_state_class_that_is_gone_is_a_miss(tmp_path, monkeypatch, gone):
+    """numba unpickles a kernel's cache index before comparing stamps (numba issue 6018): an index written by another
+    version of the package, naming a state class (or module) that no longer exists, made the kernel's first call
+    raise. For the package's own kernels such an index is a miss (the kernel recompiles); for other code numba's
+    behaviour is unchanged."""
+    import sys
+    import types
+
+    from numba.core import caching
+
+    from sae_env.fast_engine.jit import package_stamp
+
+    module = types.ModuleType("sae_env_gone_states")
+    module.OldState = type("OldState", (), {"__module__": module.__name__})
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    ours = caching.IndexDataCacheFile(str(tmp_path), "kernel", package_stamp())
+    ours._save_index({(module.OldState(), "sig"): "kernel.1.nbc"})
+    foreign = caching.IndexDataCacheFile(str(tmp_path), "kernel", "another stamp")
+    assert len(ours._load_index()) == 1  # readable while the class exists
+    if gone == "class":
+        del module.OldState
+    else:
+        monkeypatch.delitem(sys.modules, module.__name__)
+    assert ours._load_index() == {}
+    with pytest.raises((AttributeError, ImportError)):
+        foreign._load_index()

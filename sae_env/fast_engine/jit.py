@@ -141,7 +141,7 @@ def package_stamp(package: Path = _PACKAGE) -> str:
     return h.hexdigest()
 
 
-def _stamp_the_whole_package() -> None:
+def _stamp_the_whole_package(stamp: str) -> None:
     """numba checks a cached kernel against its own source file only, but a kernel here inlines hooks from the
     other modules of the package and reads constants imported from the project's other modules: a changed hook or
     constant would keep running its stale machine code. The kernels of this package are checked against a digest of
@@ -151,7 +151,6 @@ def _stamp_the_whole_package() -> None:
         from numba.core import caching
     except ImportError:  # pragma: no cover
         return
-    stamp = package_stamp()
     bases = [getattr(caching, n, None) for n in ("InTreeCacheLocator", "UserWideCacheLocator")]
     if not all(bases) or not hasattr(caching.CacheImpl, "_locator_classes"):  # pragma: no cover
         return
@@ -170,6 +169,36 @@ def _stamp_the_whole_package() -> None:
         Locator.__name__ = f"FastEngine{base.__name__}"
         ours.append(Locator)
     caching.CacheImpl._locator_classes[:0] = ours
+
+
+def _unreadable_index_is_a_miss(stamp: str) -> None:
+    """numba unpickles a cache index (every compiled signature of one function, the state classes in them) before it
+    compares the index's stamp with the source's: an index written by another version of this package, which named
+    a state class that is gone now, raised ``AttributeError`` out of the first call of the kernel instead of
+    recompiling it (numba issue 6018; index files are named by function and line, so a kernel moved to a line where
+    another version's kernel of the same name was meets that one's index). For this package's kernels (the stamp
+    is :func:`package_stamp`'s) an index that cannot be unpickled is a miss, as a stale one is: the kernel compiles
+    and numba writes the index anew. Should numba's internals move, caching stays as numba does it."""
+    try:
+        import pickle
+
+        from numba.core import caching
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(getattr(caching, "IndexDataCacheFile", None), "_load_index", None)
+    if original is None or getattr(original, "_miss_when_unreadable", False):  # pragma: no cover
+        return
+
+    def _load_index(self):
+        try:
+            return original(self)
+        except (AttributeError, ImportError, EOFError, pickle.UnpicklingError):
+            if getattr(self, "_source_stamp", None) != stamp:
+                raise
+            return {}
+
+    _load_index._miss_when_unreadable = True
+    caching.IndexDataCacheFile._load_index = _load_index
 
 
 def _copy_callee_ir_once() -> None:
@@ -211,7 +240,9 @@ def _copy_callee_ir_once() -> None:
 
 
 if AVAILABLE:
-    _stamp_the_whole_package()
+    _STAMP = package_stamp()
+    _stamp_the_whole_package(_STAMP)
+    _unreadable_index_is_a_miss(_STAMP)
     _copy_callee_ir_once()
 
 
