@@ -69,7 +69,7 @@ class Arrivals:
 
     def __init__(self, *, multi_queue: bool = True, continuation: bool = True, density: bool = True,
                  continuation_features: bool = True, censoring: bool = True, pe_routing: bool = False,
-                 continue_threshold: float = 0.5, refit_steps: int = 3, refit_growth: float = 0.5,
+                 continue_threshold: float = 0.5, refit_steps: int = 2, refit_growth: float = 0.5,
                  timed_refit: bool = True, predictor: Predictor | None = None) -> None:
         self.multi_queue, self.continuation, self.density = bool(multi_queue), bool(continuation), bool(density)
         self.pe_routing = bool(pe_routing)

@@ -102,7 +102,7 @@ class ContinuationModel:
 
     def __init__(self, *, features: bool = True, censoring: bool = True, max_turn: int = 8,
                  prior: tuple[float, float] = (1.0, 1.0), horizon_sigmas: float = 3.0, l2: float = 1.0,
-                 buffer: int = 4096, steps: int = 3, refit_growth: float = 0.0, timed_refit: bool = True,
+                 buffer: int = 4096, steps: int = 2, refit_growth: float = 0.0, timed_refit: bool = True,
                  predictor: Callable[[Trace, int], Sequence[float]] | None = None):
         if isinstance(max_turn, bool) or not isinstance(max_turn, int) or max_turn < 1:
             raise ValueError(f"continuation: max_turn must be an integer >= 1, got {max_turn!r}")

@@ -63,7 +63,7 @@ soft weights and ended labels stay as they were at its last refit), ``pe_routing
 (off: exponential gaps), ``position_decay`` (off: no offset term), ``multi_queue`` (off: one temporal queue, no PE
 priority), ``predictor`` (the paper's ranking: off routes first requests by rule only; under the continuation model a
 predictor is one of its features). With every switch off the policy evicts in LRU order (a test checks it against
-``lru``). Not a switch but cost knobs: ``refit_steps`` (3), the continuation model's EM and Newton steps per refit, and
+``lru``). Not a switch but cost knobs: ``refit_steps`` (2), the continuation model's EM and Newton steps per refit, and
 ``refit_growth`` (0.5): the model refits once the arrivals have grown by half since its last refit, not at every
 ``REFIT_EVERY`` arrivals (0; continuation.py's refit schedule: a bounded total cost, the same hit rates within noise).
 
@@ -151,7 +151,7 @@ class SAECachePolicy(EvictionPolicy):
                  continuation: bool = True, density: bool = True, continuation_features: bool = True,
                  censoring: bool = True, timed_refit: bool = True,
                  pe_routing: bool = False, continue_threshold: float = 0.5, sample: int = 8, min_dt: float = 1e-3,
-                 refit_steps: int = 3, refit_growth: float = 0.5, params: dict[str, float] | None = None) -> None:
+                 refit_steps: int = 2, refit_growth: float = 0.5, params: dict[str, float] | None = None) -> None:
         super().__init__()
         if sample < 1:
             raise ValueError(f"saecache: sample must be >= 1, got {sample}")
