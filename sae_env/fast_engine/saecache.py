@@ -72,10 +72,11 @@ REFIT, STRUCTURAL = 1, 2  # request flags
 
 
 # The state's packed rows (a kernel loads and unboxes every array of its state tuple: each costs ~55 us at a
-# process's first replay, so fields of one length and type share an array). Per request (int32): its queue and
+# process's first replay, so fields of one length and type share an array). Per request (int8): its queue and
 # continuation bin (set at its arrival), REFIT | STRUCTURAL, whether its output holds reasoning, whether it arrived
-# and has not completed, its prompt blocks (at least 1).
-R_Q, R_SLOT, R_FLAGS, R_REASON, R_LIVE, R_NPROMPT = range(6)
+# and has not completed. (Its prompt blocks are an int32 array of their own: in the int8 rows' array they would
+# cost 15 bytes a request more.)
+R_Q, R_SLOT, R_FLAGS, R_REASON, R_LIVE = range(5)
 # Per group (int32): blocks in its list and returned set, the groups seen in order (N_SEEN of them, by position, not
 # by group), its best candidate's slot, whether it was seen, whether its candidates are up to date, whether it is
 # dirty (SAECachePolicy._dirty: blocks joined since its last scan), the candidates a sampled structural group holds
@@ -87,7 +88,8 @@ Q_HITS, Q_OCC = range(2)  # per queue (int64): hits this window, cached blocks
 
 
 class SAEState(NamedTuple):
-    req: np.ndarray  # int32 [R_*, request]
+    req: np.ndarray  # int8 [R_*, request]
+    n_prompt: np.ndarray  # int32 per request: prompt blocks (at least 1)
     req_pst: np.ndarray  # float64 per request: the structural continuation rate after its arrival
     gi: np.ndarray  # int32 [G_*, group] (G_CAND + 0 .. 2: the candidates)
     gl: np.ndarray  # int64 [G_STAMP | G_EPOCH, group]
@@ -409,7 +411,7 @@ def _request(ps, c, j, now):
     si[PQ] = q
     si[OQ] = q
     si[SLOT] = ps.req[R_SLOT, j]
-    si[NPROMPT] = ps.req[R_NPROMPT, j]
+    si[NPROMPT] = ps.n_prompt[j]
     if f & STRUCTURAL:  # SAECachePolicy.on_request: the structural groups' density moved, no other group's
         sf[PST] = ps.req_pst[j]
         for g in range(ST * _TYPES, (ST + 1) * _TYPES):
@@ -426,7 +428,7 @@ def _complete(ps, c, j, now):
         ps.req[R_LIVE, j] = 0
         si[OQ] = ps.req[R_Q, j]
         si[SLOT] = ps.req[R_SLOT, j]
-    si[NPROMPT] = ps.req[R_NPROMPT, j]
+    si[NPROMPT] = ps.n_prompt[j]
 
 
 @implements(SAEState, "on_insert")
@@ -606,8 +608,8 @@ class SAECacheTwin(Twin):
         sf[[CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, CAPACITY]] = [
             cand_now, state["now"], horizon, ins_rate, win_t0, arrivals.p_structural, policy.min_dt,
             float(self.capacity)]
-        req = np.zeros((6, m), dtype=np.int32)
-        req[R_REASON], req[R_NPROMPT] = arrivals.reasoning_of, arrivals.n_prompt_of
+        req = np.zeros((5, m), dtype=np.int8)
+        req[R_REASON] = arrivals.reasoning_of
         live = state["inflight"]
         req[R_LIVE, live], req[R_Q, live], req[R_SLOT, live] = 1, state["inflight_queue"], state["inflight_slot"]
         gi = np.zeros((G_CAND + 3, N_GROUPS), dtype=np.int32)
@@ -617,7 +619,8 @@ class SAECacheTwin(Twin):
         qn = np.zeros((2, N_QUEUES), dtype=np.int64)
         qn[Q_OCC], qn[Q_HITS] = state["occupancy"], state["queue_hits"]
         self.state = SAEState(
-            req=req, req_pst=np.zeros(m), gi=gi, gl=gl, gf=np.zeros((2, N_GROUPS)),
+            req=req, n_prompt=np.asarray(arrivals.n_prompt_of, dtype=np.int32), req_pst=np.zeros(m), gi=gi, gl=gl,
+            gf=np.zeros((2, N_GROUPS)),
             slotp=np.array([slot_p(k) for k in range(N_SLOTS + 1)]), gaps=np.zeros((N_QUEUES, 4)),
             coef=np.zeros(GROUP_SLOT), root=np.full(1, -1, dtype=np.int64), qn=qn,
             offset=np.zeros(core.rec.shape[0] if sampled else 1),
