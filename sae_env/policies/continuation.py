@@ -45,8 +45,10 @@ then, and the late turns' rates stay high). With ``timed_refit`` (the default) t
 first arrival after the clock has moved on by the chat queue's typical gap ``exp(mu)`` (the log-normal's median; the
 exponential's mean) since its last refit, the time over which those weights change by a large step: the sessions idle
 past the horizon labelled ended, then the EM steps of the rates and soft weights; not ``beta``, whose data (the
-labels) grow with the arrivals and whose fit is most of a refit's cost. Where arrivals are dense this never fires
-before the next offer; where they are sparse it adds at most one refresh per typical gap.
+labels) grow with the arrivals and whose fit is most of a refit's cost. It adds at most one refresh per typical gap,
+and none while refits come more often than that (early in a trace); late in a long trace, where refits are up to 1,024
+arrivals apart, it fires once per typical gap even where arrivals are dense, and each refresh works through every
+pending request (README, "Decision time": the cost this has on long traces).
 
 Why one piece (~530 lines): the per-turn counts, the pending requests with their soft weights, the labelled buffer and
 the cached feature rows are one state that every arrival, refit and refresh updates together; the hand-over methods
