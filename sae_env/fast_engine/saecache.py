@@ -74,8 +74,8 @@ REFIT, STRUCTURAL = 1, 2  # request flags
 # The state's packed rows (a kernel loads and unboxes every array of its state tuple: each costs ~55 us at a
 # process's first replay, so fields of one length and type share an array). Per request (int8): its queue and
 # continuation bin (set at its arrival), REFIT | STRUCTURAL, whether its output holds reasoning, whether it arrived
-# and has not completed. (Its prompt blocks are an int32 array of their own: in the int8 rows' array they would
-# cost 15 bytes a request more.)
+# and has not completed. (Its prompt blocks need int32 and are an array of their own: int32 rows for all six fields
+# would cost 15 bytes a request more.)
 R_Q, R_SLOT, R_FLAGS, R_REASON, R_LIVE = range(5)
 # Per group (int32): blocks in its list and returned set, the groups seen in order (N_SEEN of them, by position, not
 # by group), its best candidate's slot, whether it was seen, whether its candidates are up to date, whether it is
