@@ -8,6 +8,10 @@
 * Timed refreshes: a model whose last refit lies a typical gap back refreshes its soft weights, ended labels and rates
   (not beta) at the next arrival, offer or not; at the end of a trace, where arrivals thin out, that keeps the late
   turns' rates near the truth (offers alone let them drift up).
+* Ending: a pending request is labelled ended exactly when its posterior to be alive is below ``end_below`` or it has
+  idled past the horizon (a reference computed from the exported state); with ``end_below = 0`` or without censoring
+  the horizon alone; on sessions that rarely continue far fewer requests stay pending, and the rates stay near the
+  truth.
 * Invariants under hypothesis: probabilities and rates in (0, 1), the per-turn pending counts and soft weights
   agree with the pending set after any sequence of arrivals and updates.
 * Bad options raise ValueError; a predictor's answer is a feature of first requests only.
@@ -199,6 +203,50 @@ def test_a_stale_model_refreshes_without_an_offer():
         np.testing.assert_array_equal(before["beta"], after["beta"])  # a refresh does not fit the correction
 
 
+
+@pytest.mark.parametrize("end_below,censoring", [(0.01, True), (0.2, True), (0.0, True), (0.01, False)])
+def test_a_pending_request_ends_below_its_posterior_or_past_the_horizon(end_below, censoring):
+    trace = sessions_trace(200, seed=7, rate=1.0)
+    gaps = (LognormalGaps(MU, SIGMA),) * 2
+    model = ContinuationModel(features=False, end_below=end_below, censoring=censoring)
+    model.bind(trace)
+    for i in range(300):
+        model.arrive(i, float(trace.t[i]))
+    now = float(trace.t[299]) + 500.0  # the idle times span the horizon (602 s)
+    before = model.export_state()
+    pend, t_pend = before["pending"], before["pending_t"]
+    r = before["rates"][np.minimum(np.maximum(trace.turn[pend], 1), model.max_turn)]
+    surv = gaps[0].sf_array(now - t_pend)
+    posterior = r * surv / (1.0 - r + r * surv)
+    horizon = now - t_pend > gaps[0].upper(3.0)
+    low = (posterior < max(end_below, 0.01)) & ~horizon  # below the bound, not yet past the horizon
+    want = horizon | low if censoring and end_below else horizon
+    model.update(now, gaps)
+    ended = ~np.isin(pend, model.export_state()["pending"])
+    np.testing.assert_array_equal(ended, want)
+    assert horizon.any() and low.any()  # each way of ending is exercised
+    assert end_below > 0.1 or not want.all()  # and some stay pending
+
+
+def test_posterior_end_keeps_fewer_pending_where_sessions_rarely_continue():
+    """Sessions that mostly end after one request (TRUE_P[1] = 0.1): the posterior falls below 1 % long before the
+    3-sigma horizon, so far fewer requests wait there, and the first turn's rate stays near the truth."""
+    pending, rates = {}, {}
+    for end_below in (0.0, 0.01):
+        TRUE_P[1], saved = 0.1, TRUE_P[1]
+        try:
+            trace = sessions_trace(1500, seed=8, rate=2.0)
+        finally:
+            TRUE_P[1] = saved
+        model = ContinuationModel(features=False, end_below=end_below)
+        replay_model(trace, model, until=1000, window=25)  # mid-stream: sessions still starting
+        model.update(float(trace.t[999]), (LognormalGaps(MU, SIGMA),) * 2)
+        pending[end_below] = len(model.export_state()["pending"])
+        rates[end_below] = model.rates[1]
+    assert pending[0.01] < 0.6 * pending[0.0]
+    assert rates[0.01] == pytest.approx(0.1, abs=0.03)
+    assert abs(rates[0.01] - rates[0.0]) < 0.02
+
 @pytest.mark.parametrize("seed", [0, 2, 5])
 def test_timed_refits_keep_the_late_rates_honest_as_arrivals_thin_out(seed):
     """At the end of a trace no session starts and the open ones wind down: arrivals thin out. Refitting by the
@@ -277,7 +325,9 @@ def test_predictor_is_a_feature_of_first_requests():
 @pytest.mark.parametrize("kwargs", [{"max_turn": 0}, {"max_turn": 2.5}, {"prior": (1.0, 0.0)},
                                     {"horizon_sigmas": 0.0}, {"l2": 0.0}, {"steps": 0}, {"steps": 1.5},
                                     {"steps": True}, {"refit_growth": -0.1}, {"refit_growth": True},
-                                    {"refit_growth": float("nan")}, {"refit_growth": "0.5"}])
+                                    {"refit_growth": float("nan")}, {"refit_growth": "0.5"}, {"end_below": -0.1},
+                                    {"end_below": 0.5}, {"end_below": True}, {"end_below": "0.01"},
+                                    {"end_below": float("nan")}])
 def test_bad_options(kwargs):
     with pytest.raises(ValueError):
         ContinuationModel(**kwargs)

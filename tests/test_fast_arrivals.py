@@ -33,7 +33,7 @@ def arrivals_for(trace: Trace, buffer: int | None = None, **options) -> Arrivals
     if buffer is not None and a.model is not None:
         m = a.model
         a.model = ContinuationModel(features=m.features, censoring=m.censoring, buffer=buffer,
-                                    timed_refit=m.timed_refit)
+                                    timed_refit=m.timed_refit, end_below=m.end_below)
     gaps = gap_models(DEFAULTS)
     a.gaps = (gaps[2], gaps[3])
     a.bind(trace)
@@ -95,7 +95,8 @@ def test_small_buffer_and_growth_give_the_same_arrivals():
 @given(trace=session_traces(max_requests=80), cuts=st.lists(st.integers(0, 80), max_size=4),
        options=st.fixed_dictionaries({"continuation": st.booleans(), "density": st.booleans(),
                                       "continuation_features": st.booleans(), "censoring": st.booleans(),
-                                      "timed_refit": st.booleans(), "pe_routing": st.booleans(),
+                                      "timed_refit": st.booleans(), "posterior_end": st.booleans(),
+                                      "pe_routing": st.booleans(),
                                       "multi_queue": st.booleans()}),
        buffer=st.sampled_from([None, 2, 5]))
 def test_random_traces_give_the_same_arrivals(trace, cuts, options, buffer):

@@ -33,7 +33,7 @@ pytest.importorskip("numba")
 
 # Switches the twin runs besides the default (the rest of the Arrivals' switches need nothing of the kernel).
 FREE = ("type_weights", "adaptive_alpha", "multi_queue", "continuation", "continuation_features", "censoring",
-        "timed_refit", "pe_routing")
+        "timed_refit", "posterior_end", "pe_routing")
 switches = st.fixed_dictionaries({}, optional={k: st.booleans() for k in FREE})
 # The paper's ranking (saecache-paper: density off, sampled structural groups, position decay on) and its switches.
 paper_switches = st.fixed_dictionaries({}, optional={**{k: st.booleans() for k in (*FREE, "position_decay")},

@@ -35,6 +35,9 @@ PE, ST, CH, AG = 0, 1, 2, 3
 QUEUES = ("priority_eviction", "structural", "chat", "agent")
 N_QUEUES = len(QUEUES)
 REFIT_EVERY = 64  # arrivals between refits of the turnover time and the continuation model
+# A pending request counts as ended once the posterior that its session is alive is below this (continuation.py: the
+# error the 3-sigma horizon already accepts for a turn that continues 9 times in 10).
+END_BELOW = 0.01
 # Continuation probabilities are binned on the logit scale: blocks of one bin share their ranking constants, so a
 # group (queue, type, bin) has one score function of the idle time (see SAECachePolicy._best).
 LOGIT_BIN = 0.5  # bin width in logit units
@@ -70,13 +73,14 @@ class Arrivals:
     def __init__(self, *, multi_queue: bool = True, continuation: bool = True, density: bool = True,
                  continuation_features: bool = True, censoring: bool = True, pe_routing: bool = False,
                  continue_threshold: float = 0.5, refit_steps: int = 2, refit_growth: float = 0.5,
-                 timed_refit: bool = True, predictor: Predictor | None = None) -> None:
+                 timed_refit: bool = True, posterior_end: bool = True, predictor: Predictor | None = None) -> None:
         self.multi_queue, self.continuation, self.density = bool(multi_queue), bool(continuation), bool(density)
         self.pe_routing = bool(pe_routing)
         self.continue_threshold = continue_threshold
         self.predictor = predictor
         self.model = (ContinuationModel(features=continuation_features, censoring=censoring, steps=refit_steps,
-                                        refit_growth=refit_growth, timed_refit=timed_refit, predictor=predictor)
+                                        refit_growth=refit_growth, timed_refit=timed_refit,
+                                        end_below=END_BELOW if posterior_end else 0.0, predictor=predictor)
                       if continuation else None)
         self.gaps: tuple[LognormalGaps, LognormalGaps] | None = None
         self.trace: Trace | None = None  # the trace whose per-request facts are cached (see bind)

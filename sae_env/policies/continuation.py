@@ -24,8 +24,15 @@ system + template shares), whether the request carries tool schemas (``app == AG
 used, as hash-only and conversation sources derive them from the session's whole length), and, when a session
 predictor is given, its logit for first requests (the pre-trained predictor as a prior).
 
-The horizon is ``exp(mu + horizon_sigmas * sigma)`` of the queue's gap distribution: a session idle that long is
-taken as ended (with ``horizon_sigmas = 3``, 0.13 % of log-normal gaps are longer).
+When is a pending request labelled ended? When the posterior that its session is still alive, ``r S(c) / (1 - r + r
+S(c))`` with its turn's rate ``r``, has fallen below ``end_below`` (1 %), or at the latest once it has idled past the
+horizon ``exp(mu + horizon_sigmas * sigma)`` of its queue's gap distribution (with ``horizon_sigmas = 3``, 0.13 % of
+log-normal gaps are longer). A label given at posterior ``w`` is wrong with probability ``w``, so each such label
+biases its turn's counts by less than ``end_below``: the error the horizon alone already accepts for a persistent turn
+(``r = 0.9`` at ``S = 0.13 %``: 1.2 %), now accepted for every turn and no more. Where sessions rarely continue (a
+trace of one-request sessions: ``r = 0.12``) the posterior falls below 1 % at ``S = 7 %``, about 1.5 sigma, where the
+horizon waits for 3 sigma: the pending requests (which every refit and refresh works through) are then about a tenth
+as many (README, "Decision time"). Without ``censoring`` there is no posterior and the horizon alone ends them.
 
 Refit schedule. The policy offers an update every few dozen arrivals; a refit costs time in proportion to the
 requests it rests on (the labelled buffer and the pending requests), which grow with the replay, so refitting at
@@ -92,6 +99,8 @@ class ContinuationModel:
         max_turn: turns at and beyond this one share a rate.
         prior: Beta pseudo-counts (continued, ended) of every turn's rate.
         horizon_sigmas: a session idle longer than ``exp(mu + horizon_sigmas * sigma)`` is taken as ended.
+        end_below: a pending request whose session is alive with a posterior below this is taken as ended (module
+            docstring; 0: the horizon alone; needs ``censoring``).
         l2: L2 penalty of the logistic correction (per coefficient).
         buffer: labelled requests (the most recent) the correction is fitted on.
         steps: EM steps (rates and soft labels) and Newton steps (correction) per refit, each refit starting from the
@@ -103,7 +112,8 @@ class ContinuationModel:
     """
 
     def __init__(self, *, features: bool = True, censoring: bool = True, max_turn: int = 8,
-                 prior: tuple[float, float] = (1.0, 1.0), horizon_sigmas: float = 3.0, l2: float = 1.0,
+                 prior: tuple[float, float] = (1.0, 1.0), horizon_sigmas: float = 3.0, end_below: float = 0.01,
+                 l2: float = 1.0,
                  buffer: int = 4096, steps: int = 2, refit_growth: float = 0.0, timed_refit: bool = True,
                  predictor: Callable[[Trace, int], Sequence[float]] | None = None):
         if isinstance(max_turn, bool) or not isinstance(max_turn, int) or max_turn < 1:
@@ -112,6 +122,8 @@ class ContinuationModel:
             raise ValueError(f"continuation: prior must be two positive pseudo-counts, got {prior!r}")
         if not (horizon_sigmas > 0 and math.isfinite(horizon_sigmas)):
             raise ValueError(f"continuation: horizon_sigmas must be positive, got {horizon_sigmas!r}")
+        if isinstance(end_below, bool) or not (isinstance(end_below, (int, float)) and 0 <= end_below < 0.5):
+            raise ValueError(f"continuation: end_below must be a probability in [0, 0.5), got {end_below!r}")
         if not l2 > 0:
             raise ValueError(f"continuation: l2 must be positive, got {l2!r}")
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
@@ -123,6 +135,7 @@ class ContinuationModel:
         self.max_turn = max_turn
         self.prior = (float(prior[0]), float(prior[1]))
         self.horizon_sigmas = float(horizon_sigmas)
+        self.end_below = float(end_below)
         self.l2 = float(l2)
         self.buffer = int(buffer)
         self.steps = steps
@@ -245,7 +258,8 @@ class ContinuationModel:
         """A model with the same options, bound to the same trace (its features shared, read-only), that has learned
         nothing yet: a copy to :meth:`import_state` into without computing the features again."""
         m = ContinuationModel(features=self.features, censoring=self.censoring, max_turn=self.max_turn,
-                              prior=self.prior, horizon_sigmas=self.horizon_sigmas, l2=self.l2, buffer=self.buffer,
+                              prior=self.prior, horizon_sigmas=self.horizon_sigmas, end_below=self.end_below,
+                              l2=self.l2, buffer=self.buffer,
                               steps=self.steps, refit_growth=self.refit_growth, timed_refit=self.timed_refit,
                               predictor=self.predictor)
         if self._trace is not None:
@@ -400,24 +414,37 @@ class ContinuationModel:
             del pend_t[i], pend_w[i]
         pend_w.update(zip(pend[keep].tolist(), soft.tolist(), strict=True))  # the same keys: only the weights change
 
-    def expired(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray) -> np.ndarray:
-        """Which of the pending requests ``pend`` (arrived at ``t_pend``) have been idle past the horizon at
-        ``now``: their sessions count as ended."""
-        horizon_chat, horizon_agent = (g.upper(self.horizon_sigmas) for g in gaps)
-        return now - t_pend > np.where(self._agent_a[pend], horizon_agent, horizon_chat)
-
-    def refit(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray,
-              fit: bool = True) -> np.ndarray:
-        """:meth:`update` once the requests idle past the horizon are labelled: the rates (and with ``fit`` the
-        correction) refitted on the pending requests ``pend`` (arrived at ``t_pend``, in arrival order); returns their
-        new soft weights."""
-        self._refit_t = now
+    def survival(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray) -> np.ndarray:
+        """``S(c)`` of each pending request ``pend`` (arrived at ``t_pend``): the probability that its session's next
+        gap is longer than its idle time ``c`` at ``now``, under its queue's gap distribution."""
         agent = self._agent_a[pend]
         idle = now - t_pend
         if agent.any():
-            surv = np.where(agent, gaps[1].sf_array(idle), gaps[0].sf_array(idle))
-        else:  # elementwise: the same floats as through np.where, at half the work
-            surv = gaps[0].sf_array(idle)
+            return np.where(agent, gaps[1].sf_array(idle), gaps[0].sf_array(idle))
+        return gaps[0].sf_array(idle)  # elementwise: the same floats as through np.where, at half the work
+
+    def expired(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray,
+                surv: np.ndarray | None = None) -> np.ndarray:
+        """Which of the pending requests ``pend`` (arrived at ``t_pend``; ``surv``: their :meth:`survival`, computed
+        if not given) count as ended at ``now``: idle past the horizon, or alive with a posterior below
+        ``end_below`` (module docstring)."""
+        horizon_chat, horizon_agent = (g.upper(self.horizon_sigmas) for g in gaps)
+        over = now - t_pend > np.where(self._agent_a[pend], horizon_agent, horizon_chat)
+        if self.censoring and self.end_below > 0 and pend.size:
+            if surv is None:
+                surv = self.survival(now, gaps, pend, t_pend)
+            r = np.array(self._rates)[self._bucket_a[pend]]
+            over |= r * surv < self.end_below * np.maximum(1.0 - r + r * surv, 1e-300)
+        return over
+
+    def refit(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray,
+              fit: bool = True, surv: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`update` once the requests that ended are labelled: the rates (and with ``fit`` the correction)
+        refitted on the pending requests ``pend`` (arrived at ``t_pend``, in arrival order; ``surv``: their
+        :meth:`survival`, computed if not given); returns their new soft weights."""
+        self._refit_t = now
+        if surv is None:
+            surv = self.survival(now, gaps, pend, t_pend)
         bucket = self._bucket_a[pend]
         a, b = self.prior
         k = self.max_turn + 1
@@ -497,10 +524,13 @@ class ContinuationModel:
         """:meth:`update` for a caller that keeps the pending requests ``pend`` (arrived at ``t_pend``, soft weights
         ``w_pend``, in arrival order) itself, once :meth:`update_due` said so (``fit``: a refit) or :meth:`stale`
         did (a refresh): returns which stay pending and their new soft weights."""
-        over = self.expired(now, gaps, pend, t_pend)
+        surv = self.survival(now, gaps, pend, t_pend)
+        over = self.expired(now, gaps, pend, t_pend, surv)
         if over.any():
             self._end(pend[over], w_pend[over])
-        return ~over, self.refit(now, gaps, pend[~over], t_pend[~over], fit)
+            keep = ~over
+            return keep, self.refit(now, gaps, pend[keep], t_pend[keep], fit, surv[keep])
+        return ~over, self.refit(now, gaps, pend, t_pend, fit, surv)
 
     def _end(self, ended: np.ndarray, w: np.ndarray) -> None:
         """``_unpend`` then ``_label(i, 0)`` of each of the requests ``ended`` (soft weights ``w``) in arrival order,

@@ -58,14 +58,16 @@ refit).
 Switches (ablations): ``continuation`` (off: p = 1, no continuation model), ``density`` (off: the paper's ``p_q / dt``),
 ``continuation_features`` (off: per-turn rates only), ``censoring`` (off: a pending session counts as ended, as LPC
 counts), ``timed_refit`` (off: the continuation model refits by the count of arrivals alone, so where they thin out its
-soft weights and ended labels stay as they were at its last refit), ``pe_routing`` (on: requests with p below
-``continue_threshold`` go to PE), ``type_weights`` (off: w = 1), ``adaptive_alpha`` (off: alpha = 1), ``lognormal``
-(off: exponential gaps), ``position_decay`` (off: no offset term), ``multi_queue`` (off: one temporal queue, no PE
-priority), ``predictor`` (the paper's ranking: off routes first requests by rule only; under the continuation model a
-predictor is one of its features). With every switch off the policy evicts in LRU order (a test checks it against
-``lru``). Not a switch but cost knobs: ``refit_steps`` (2), the continuation model's EM and Newton steps per refit, and
-``refit_growth`` (0.5): the model refits once the arrivals have grown by half since its last refit, not at every
-``REFIT_EVERY`` arrivals (0; continuation.py's refit schedule: a bounded total cost, the same hit rates within noise).
+soft weights and ended labels stay as they were at its last refit), ``posterior_end`` (off: a pending session counts as
+ended only once idle past the horizon, not already once the posterior that it is alive is below 1 %), ``pe_routing``
+(on: requests with p below ``continue_threshold`` go to PE), ``type_weights`` (off: w = 1), ``adaptive_alpha`` (off:
+alpha = 1), ``lognormal`` (off: exponential gaps), ``position_decay`` (off: no offset term), ``multi_queue`` (off: one
+temporal queue, no PE priority), ``predictor`` (the paper's ranking: off routes first requests by rule only; under the
+continuation model a predictor is one of its features). With every switch off the policy evicts in LRU order (a test
+checks it against ``lru``). Not a switch but cost knobs: ``refit_steps`` (2), the continuation model's EM and Newton
+steps per refit, and ``refit_growth`` (0.5): the model refits once the arrivals have grown by half since its last refit,
+not at every ``REFIT_EVERY`` arrivals (0; continuation.py's refit schedule: a bounded total cost, the same hit rates
+within noise).
 
 Why one piece (~900 lines): the recency lists, the returned-heaps and the cached candidates are the policy's state,
 not a container beside it. Every hook moves a block between them while it routes and scores it (``on_release``
@@ -149,7 +151,7 @@ class SAECachePolicy(EvictionPolicy):
     def __init__(self, *, type_weights: bool = False, adaptive_alpha: bool = False, lognormal: bool = True,
                  position_decay: bool = False, multi_queue: bool = True, predictor: Predictor | bool | None = None,
                  continuation: bool = True, density: bool = True, continuation_features: bool = True,
-                 censoring: bool = True, timed_refit: bool = True,
+                 censoring: bool = True, timed_refit: bool = True, posterior_end: bool = True,
                  pe_routing: bool = False, continue_threshold: float = 0.5, sample: int = 8, min_dt: float = 1e-3,
                  refit_steps: int = 2, refit_growth: float = 0.5, params: dict[str, float] | None = None) -> None:
         super().__init__()
@@ -160,7 +162,7 @@ class SAECachePolicy(EvictionPolicy):
         flags = {"type_weights": type_weights, "adaptive_alpha": adaptive_alpha, "lognormal": lognormal,
                  "position_decay": position_decay, "multi_queue": multi_queue, "continuation": continuation,
                  "density": density, "continuation_features": continuation_features, "censoring": censoring,
-                 "timed_refit": timed_refit, "pe_routing": pe_routing}
+                 "timed_refit": timed_refit, "posterior_end": posterior_end, "pe_routing": pe_routing}
         for name, value in flags.items():  # bool("false") is True: a typo must not flip a switch on silently
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"saecache: {name} must be true or false, got {value!r}")
@@ -184,7 +186,7 @@ class SAECachePolicy(EvictionPolicy):
                                  continuation_features=continuation_features, censoring=censoring,
                                  pe_routing=pe_routing, continue_threshold=continue_threshold,
                                  refit_steps=refit_steps, refit_growth=refit_growth, timed_refit=timed_refit,
-                                 predictor=self.predictor)
+                                 posterior_end=posterior_end, predictor=self.predictor)
         self._lists: dict[int, _RecencyList] = {}  # group (queue-type code + _SLOT * slot) -> recency list
         self._returned: dict[int, list[tuple[int, int, Block]]] = {}  # group -> heap of (stamp, key, block)
         self._returned_new: dict[int, list[tuple[int, int, Block]]] = {}  # same blocks, newest first (-stamp)
