@@ -451,13 +451,14 @@ class ContinuationModel:
         n_pend = np.bincount(bucket, minlength=k)
         cont, ended = np.asarray(self._continued), np.asarray(self._ended)
         soft = np.zeros(pend.size)
+        alive = np.zeros(k)  # the soft weights' sum per turn bucket (of the final weights, as the counts keep it)
         rates = np.array(self._rates)
         for _ in range(self.steps if self.censoring else 0):
             r = rates[bucket]
             soft = r * surv / np.maximum(1.0 - r + r * surv, 1e-300)
             alive = np.bincount(bucket, weights=soft, minlength=k)
             rates = (cont + alive + a) / (cont + ended + n_pend + a + b)
-        self._alive = np.bincount(bucket, weights=soft, minlength=k).tolist()
+        self._alive = alive.tolist()
         self._n_pending = n_pend.tolist()
         self._rates = rates.tolist()
         if fit and self.features and (self._lab_n or pend.size):
