@@ -57,7 +57,7 @@ and none while refits come more often than that (early in a trace); late in a lo
 arrivals apart, it fires once per typical gap even where arrivals are dense, and each refresh works through every
 pending request (README, "Decision time": the cost this has on long traces).
 
-Why one piece (~530 lines): the per-turn counts, the pending requests with their soft weights, the labelled buffer and
+Why one piece (~590 lines): the per-turn counts, the pending requests with their soft weights, the labelled buffer and
 the cached feature rows are one state that every arrival, refit and refresh updates together; the hand-over methods
 the compiled arrivals use (``counts`` / ``set_counts`` / ``update_pending`` / ``labelled_buffer`` / ``zb_at``) and the
 state contract read and write that same state, so split apart each piece would reach into the others' fields.
