@@ -34,8 +34,8 @@ MU, SIGMA = 4.0, 0.8  # gaps: median ~55 s
 TRUE_P = {1: 0.9, 2: 0.4, 3: 0.8, 4: 0.8, 5: 0.8, 6: 0.8, 7: 0.8, 8: 0.8}
 
 
-def sessions_trace(n_sessions: int, seed: int, rate: float = 0.5) -> Trace:
-    """Sessions starting as a Poisson process; after turn k a session continues with TRUE_P[min(k, 8)], after a
+def sessions_trace(n_sessions: int, seed: int, rate: float = 0.5, true_p: dict[int, float] = TRUE_P) -> Trace:
+    """Sessions starting as a Poisson process; after turn k a session continues with true_p[min(k, 8)], after a
     log-normal gap. One distinct block per request (the model reads no keys)."""
     rng = np.random.default_rng(seed)
     events = []
@@ -45,7 +45,7 @@ def sessions_trace(n_sessions: int, seed: int, rate: float = 0.5) -> Trace:
         t, k = start, 1
         while True:
             events.append((t, s, k))
-            if rng.random() >= TRUE_P[min(k, 8)] or k >= 30:
+            if rng.random() >= true_p[min(k, 8)] or k >= 30:
                 break
             t += math.exp(rng.normal(MU, SIGMA))
             k += 1
@@ -203,7 +203,6 @@ def test_a_stale_model_refreshes_without_an_offer():
         np.testing.assert_array_equal(before["beta"], after["beta"])  # a refresh does not fit the correction
 
 
-
 @pytest.mark.parametrize("end_below,censoring", [(0.01, True), (0.2, True), (0.0, True), (0.01, False)])
 def test_a_pending_request_ends_below_its_posterior_or_past_the_horizon(end_below, censoring):
     trace = sessions_trace(200, seed=7, rate=1.0)
@@ -219,7 +218,8 @@ def test_a_pending_request_ends_below_its_posterior_or_past_the_horizon(end_belo
     surv = gaps[0].sf_array(now - t_pend)
     posterior = r * surv / (1.0 - r + r * surv)
     horizon = now - t_pend > gaps[0].upper(3.0)
-    low = (posterior < max(end_below, 0.01)) & ~horizon  # below the bound, not yet past the horizon
+    # below the bound (1 % where there is none: those stay pending), not yet past the horizon
+    low = (posterior < max(end_below, 0.01)) & ~horizon
     want = horizon | low if censoring and end_below else horizon
     model.update(now, gaps)
     ended = ~np.isin(pend, model.export_state()["pending"])
@@ -229,15 +229,11 @@ def test_a_pending_request_ends_below_its_posterior_or_past_the_horizon(end_belo
 
 
 def test_posterior_end_keeps_fewer_pending_where_sessions_rarely_continue():
-    """Sessions that mostly end after one request (TRUE_P[1] = 0.1): the posterior falls below 1 % long before the
-    3-sigma horizon, so far fewer requests wait there, and the first turn's rate stays near the truth."""
+    """Sessions that mostly end after one request (a first-turn rate of 0.1): the posterior falls below 1 % long
+    before the 3-sigma horizon, so far fewer requests wait there, and the first turn's rate stays near the truth."""
+    trace = sessions_trace(1500, seed=8, rate=2.0, true_p={**TRUE_P, 1: 0.1})
     pending, rates = {}, {}
     for end_below in (0.0, 0.01):
-        TRUE_P[1], saved = 0.1, TRUE_P[1]
-        try:
-            trace = sessions_trace(1500, seed=8, rate=2.0)
-        finally:
-            TRUE_P[1] = saved
         model = ContinuationModel(features=False, end_below=end_below)
         replay_model(trace, model, until=1000, window=25)  # mid-stream: sessions still starting
         model.update(float(trace.t[999]), (LognormalGaps(MU, SIGMA),) * 2)
@@ -246,6 +242,7 @@ def test_posterior_end_keeps_fewer_pending_where_sessions_rarely_continue():
     assert pending[0.01] < 0.6 * pending[0.0]
     assert rates[0.01] == pytest.approx(0.1, abs=0.03)
     assert abs(rates[0.01] - rates[0.0]) < 0.02
+
 
 @pytest.mark.parametrize("seed", [0, 2, 5])
 def test_timed_refits_keep_the_late_rates_honest_as_arrivals_thin_out(seed):

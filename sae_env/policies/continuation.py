@@ -114,9 +114,8 @@ class ContinuationModel:
 
     def __init__(self, *, features: bool = True, censoring: bool = True, max_turn: int = 8,
                  prior: tuple[float, float] = (1.0, 1.0), horizon_sigmas: float = 3.0, end_below: float = 0.01,
-                 l2: float = 1.0,
-                 buffer: int = 4096, steps: int = 2, refit_growth: float = 0.0, timed_refit: bool = True,
-                 predictor: Callable[[Trace, int], Sequence[float]] | None = None):
+                 l2: float = 1.0, buffer: int = 4096, steps: int = 2, refit_growth: float = 0.0,
+                 timed_refit: bool = True, predictor: Callable[[Trace, int], Sequence[float]] | None = None):
         if isinstance(max_turn, bool) or not isinstance(max_turn, int) or max_turn < 1:
             raise ValueError(f"continuation: max_turn must be an integer >= 1, got {max_turn!r}")
         if len(prior) != 2 or min(prior) <= 0:
@@ -260,9 +259,8 @@ class ContinuationModel:
         nothing yet: a copy to :meth:`import_state` into without computing the features again."""
         m = ContinuationModel(features=self.features, censoring=self.censoring, max_turn=self.max_turn,
                               prior=self.prior, horizon_sigmas=self.horizon_sigmas, end_below=self.end_below,
-                              l2=self.l2, buffer=self.buffer,
-                              steps=self.steps, refit_growth=self.refit_growth, timed_refit=self.timed_refit,
-                              predictor=self.predictor)
+                              l2=self.l2, buffer=self.buffer, steps=self.steps, refit_growth=self.refit_growth,
+                              timed_refit=self.timed_refit, predictor=self.predictor)
         if self._trace is not None:
             for name in ("_trace", "_session", "_bucket", "_bucket_a", "_agent_a", "_prev", "_type_counts",
                          "_first_logit"):
@@ -528,11 +526,11 @@ class ContinuationModel:
         did (a refresh): returns which stay pending and their new soft weights."""
         surv = self.survival(now, gaps, pend, t_pend)
         over = self.expired(now, gaps, pend, t_pend, surv)
+        keep = ~over
         if over.any():
             self._end(pend[over], w_pend[over])
-            keep = ~over
-            return keep, self.refit(now, gaps, pend[keep], t_pend[keep], fit, surv[keep])
-        return ~over, self.refit(now, gaps, pend, t_pend, fit, surv)
+            pend, t_pend, surv = pend[keep], t_pend[keep], surv[keep]
+        return keep, self.refit(now, gaps, pend, t_pend, fit, surv)
 
     def _end(self, ended: np.ndarray, w: np.ndarray) -> None:
         """``_unpend`` then ``_label(i, 0)`` of each of the requests ``ended`` (soft weights ``w``) in arrival order,
