@@ -173,12 +173,41 @@ def _join(ps, rec, g, s, where):
 @inline
 def _remove(ps, rec, s):
     g = rec[s, GROUP]
+    k = tp.key(rec, s)
     tp.delete(ps.root, rec, np.int64(s))
     rec[s, WHERE] = 0
-    ps.gi[G_COUNT, g] -= 1
     gi = ps.gi
-    if s == gi[G_CAND, g] or s == gi[G_CAND + 1, g] or s == gi[G_CAND + 2, g]:
-        gi[G_FRESH, g] = 0  # searched again (_group_cands); any other block leaves the candidates as they are
+    gi[G_COUNT, g] -= 1
+    if gi[G_FRESH, g] and (s == gi[G_CAND, g] or s == gi[G_CAND + 1, g] or s == gi[G_CAND + 2, g]):
+        _leave(ps, rec, g, s, k)
+
+
+@inline
+def _leave(ps, rec, g, s, k):
+    """_group_cands of group ``g`` after its candidate ``s`` (key ``k``) left: the oldest of a set is followed by the
+    next of that set (one search, not four); the newest leaving, or an oldest that was also the newest, and the
+    group's candidates are searched again. Any other block leaves them as they are. Its best is rescored."""
+    gi = ps.gi
+    a, b, n = gi[G_CAND, g], gi[G_CAND + 1, g], gi[G_CAND + 2, g]
+    if s == n:
+        gi[G_FRESH, g] = 0
+        return
+    if n < 0 and ps.si[DENS] and (g % GROUP_SLOT) // _TYPES != PE:  # the newest is a or b: is it s?
+        other = b if s == a else a
+        if other < 0 or rec[s, STAMP] > rec[other, STAMP]:
+            gi[G_FRESH, g] = 0
+            return
+    nxt = tp.lower(ps.root, rec, k + 1)
+    if nxt >= 0 and (tp.key(rec, nxt) >> 32) != (k >> 32):  # another set or group
+        nxt = -1
+    if s == a:
+        a = nxt
+    else:
+        b = nxt
+    if n == a or n == b:
+        n = -1
+    gi[G_CAND, g], gi[G_CAND + 1, g], gi[G_CAND + 2, g] = a, b, n
+    gi[G_FRESH, g] = 2
 
 
 @inline
