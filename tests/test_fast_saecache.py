@@ -308,30 +308,30 @@ def test_the_scans_lower_bound_holds_over_its_interval(mu, sigma, p, horizon, dt
     """The twin skips a group whose lower bound (``_bound``, computed with its score) is above the least score found:
     the bound must hold at every idle time of its interval, or a skipped group could have been the victim (the
     differential tests would then see another victim, but only on a trace that happens to need it)."""
-    from sae_env.fast_engine.saecache import _MARGIN, _density
+    from sae_env.fast_engine.saecache import BOUND_MARGIN, density_and_bound
     from sae_env.policies.survival import LognormalGaps
 
     gaps = LognormalGaps(mu, sigma)
-    density = getattr(_density, "py_func", _density)
+    density = getattr(density_and_bound, "py_func", density_and_bound)
     dt_b = dt * (1.0 + span) + span * horizon
     score, bound = density(*gaps.constants(), p, dt, horizon, dt_b)
     assert score == gaps.density(p, dt, horizon)  # the score itself is the policy's, operation for operation
     assert 0.0 <= bound <= score * (1 + 1e-9)
     for x in at:
         t = dt + x * (dt_b - dt)
-        assert gaps.density(p, t, horizon) >= bound * _MARGIN
+        assert gaps.density(p, t, horizon) >= bound * BOUND_MARGIN
 
 
 def test_the_scans_lower_bound_is_close_where_it_is_used():
     """Not vacuous: on a typical block (gaps of median 60 s, a horizon of 10 minutes) the bound over a thirty-second
     of the horizon is within 30 % of the score, young or old (within 5 % once idle for the horizon)."""
-    from sae_env.fast_engine.saecache import _SPAN, _density
+    from sae_env.fast_engine.saecache import BOUND_SPAN, density_and_bound
     from sae_env.policies.survival import LognormalGaps
 
     gaps = LognormalGaps(np.log(60.0), 1.5)
-    density = getattr(_density, "py_func", _density)
+    density = getattr(density_and_bound, "py_func", density_and_bound)
     for dt in (1.0, 30.0, 600.0, 7200.0):
-        score, bound = density(*gaps.constants(), 0.6, dt, 600.0, dt + _SPAN * 600.0)
+        score, bound = density(*gaps.constants(), 0.6, dt, 600.0, dt + BOUND_SPAN * 600.0)
         assert (0.95 if dt >= 600 else 0.7) * score < bound <= score
 
 

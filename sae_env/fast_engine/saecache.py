@@ -26,7 +26,7 @@ constants change.
 The scan over the groups is the twin's hot path: at every new instant each group's candidates are scored again (on
 mooncake_synthetic made four times longer, 14 groups at a time and 15 scores a request). Two exact shortcuts spare
 most of that work without changing a victim. Each scoring also gives a lower bound on the group's scores over the
-next ``_SPAN`` of the turnover horizon (_bound); a later scan skips a group whose bound is above the least score it
+next ``BOUND_SPAN`` of the turnover horizon (_bound); a later scan skips a group whose bound is above the least score it
 has found so far, and it starts from the group it chose last, whose score is usually the least again. Few groups can
 be skipped for long, though: eviction keeps every group's oldest blocks near the same score (on that trace, 80 % of
 the groups rescored end within 10 % of the least), so about a third of the scores remain (15 -> 5.2 a request).
@@ -65,12 +65,12 @@ N_GROUPS = GROUP_SLOT * (N_SLOTS + 1)
 _REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)
 _TYPES = 8  # TYPE_SLOTS: queue_type_code = queue * 8 + type
 _TINY = 1e-300
-# A group's lower bound holds for an interval of _SPAN horizons (the turnover time) after its scoring; it lets a scan
-# skip a group whose bound, shrunk by _MARGIN against rounding, is above the least score found so far (see _bound).
+# A group's lower bound holds for BOUND_SPAN horizons (the turnover time) after its scoring; it lets a scan skip a group
+# whose bound, shrunk by BOUND_MARGIN against rounding, is above the least score found so far (see _bound).
 # Speed only, no victim depends on it: a longer span is looser, a shorter one expires sooner (mooncake_synthetic made
 # four times longer: 7.0 / 6.4 / 6.2 / 6.7 scores a request at 1/16, 1/32, 1/64 and 1/128).
-_SPAN = 1 / 32
-_MARGIN = 1.0 - 1e-6
+BOUND_SPAN = 1 / 32
+BOUND_MARGIN = 1.0 - 1e-6
 # Integer scalars: releases so far, the next victim's shortcut (slot, stamp), the deferred block, acquires or
 # releases since the last scan, whether the scan instant is set, groups seen, the constants'
 # epoch, blocks inserted since the last turnover estimate, whether the window's start / the insertion rate / the
@@ -257,7 +257,7 @@ def _flush(ps, rec):
 
 # -- scores ----------------------------------------------------------------------------------------------------------
 @inline
-def _density(mu, s2, mean, shift, p, dt, horizon, dt_b):
+def density_and_bound(mu, s2, mean, shift, p, dt, horizon, dt_b):
     """LognormalGaps.density at idle time ``dt``, operation for operation (dt > 0 and horizon > 0 here), and a lower
     bound on it over the idle times ``[dt, dt_b]`` (see _bound)."""
     log_now = math.log(dt)
@@ -330,7 +330,7 @@ def _score(ps, recf, g, s, now, until):
     p = ps.sf[PST] if q == ST else ps.slotp[g // GROUP_SLOT]
     horizon = ps.sf[HORIZON] if ps.si[HAS_HOR] else ps.sf[EXP_MEAN_CH]
     gp = ps.gaps
-    f, lb = _density(gp[q, 0], gp[q, 1], gp[q, 2], gp[q, 3], p, dt, horizon, dt_b)
+    f, lb = density_and_bound(gp[q, 0], gp[q, 1], gp[q, 2], gp[q, 3], p, dt, horizon, dt_b)
     return ps.coef[code] * f, ps.coef[code] * lb
 
 
@@ -386,7 +386,7 @@ def _group_best(ps, c, g, now):
     last best and the candidates without a bound are scored first."""
     gi, gf, gl, rec = ps.gi, ps.gf, ps.gl, c.rec
     best, bscore, bstamp = -1, 0.0, np.int64(0)
-    until = now + _SPAN * (ps.sf[HORIZON] if ps.si[HAS_HOR] else ps.sf[EXP_MEAN_CH])
+    until = now + BOUND_SPAN * (ps.sf[HORIZON] if ps.si[HAS_HOR] else ps.sf[EXP_MEAN_CH])
     same_epoch = gl[G_EPOCH, g] == ps.si[EPOCH]
     for rnd in range(2):
         for k in range(3):
@@ -397,7 +397,7 @@ def _group_best(ps, c, g, now):
             if rnd == 0:
                 if held and s != gi[G_SLOT, g]:
                     continue
-            elif not held or s == gi[G_SLOT, g] or (best >= 0 and gf[G_CLB + k, g] * _MARGIN > bscore):
+            elif not held or s == gi[G_SLOT, g] or (best >= 0 and gf[G_CLB + k, g] * BOUND_MARGIN > bscore):
                 continue
             score, low = _score(ps, c.recf, g, s, now, until)
             gf[G_CLB + k, g] = low
@@ -523,8 +523,8 @@ def _select(ps, c, now, full, rescore):
             _group_best(ps, c, g, now)
         elif ps.gi[G_FRESH, g] == 2 or ps.gl[G_EPOCH, g] != epoch or ps.gf[G_NOW, g] != now:
             flag = 0 if (multi and (g % GROUP_SLOT) // _TYPES == PE) else 1
-            if best >= 0 and (flag > bflag or (flag == bflag and ps.gi[G_FRESH, g] == 1 and ps.gl[G_EPOCH, g] == epoch
-                                               and now <= ps.gf[G_UNTIL, g] and ps.gf[G_LB, g] * _MARGIN > bscore)):
+            held = ps.gi[G_FRESH, g] == 1 and ps.gl[G_EPOCH, g] == epoch and now <= ps.gf[G_UNTIL, g]
+            if best >= 0 and (flag > bflag or (flag == bflag and held and ps.gf[G_LB, g] * BOUND_MARGIN > bscore)):
                 continue  # none of its candidates can be the least (see _bound); its best is left stale
             _group_best(ps, c, g, now)
         flag = 0 if (multi and (g % GROUP_SLOT) // _TYPES == PE) else 1
