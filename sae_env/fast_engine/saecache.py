@@ -256,7 +256,7 @@ def _flush(ps, rec):
 
 
 # -- scores ----------------------------------------------------------------------------------------------------------
-@inline
+@jit
 def density_and_bound(mu, s2, mean, shift, p, dt, horizon, dt_b):
     """LognormalGaps.density at idle time ``dt``, operation for operation (dt > 0 and horizon > 0 here), and a lower
     bound on it over the idle times ``[dt, dt_b]`` (see _bound)."""
@@ -388,24 +388,26 @@ def _group_best(ps, c, g, now):
     best, bscore, bstamp = -1, 0.0, np.int64(0)
     until = now + BOUND_SPAN * (ps.sf[HORIZON] if ps.si[HAS_HOR] else ps.sf[EXP_MEAN_CH])
     same_epoch = gl[G_EPOCH, g] == ps.si[EPOCH]
-    for rnd in range(2):
-        for k in range(3):
-            s = gi[G_CAND + k, g]
-            if s < 0:
+    scored = 0
+    for t in range(6):  # two rounds over the three candidates, as one loop: one copy of the inlined score
+        k = t % 3
+        s = gi[G_CAND + k, g]
+        if s < 0 or scored & (1 << k):
+            continue
+        held = same_epoch and gl[G_CSTAMP + k, g] == rec[s, STAMP] and now <= gf[G_CUNTIL + k, g]
+        if t < 3:
+            if held and s != gi[G_SLOT, g]:
                 continue
-            held = same_epoch and gl[G_CSTAMP + k, g] == rec[s, STAMP] and now <= gf[G_CUNTIL + k, g]
-            if rnd == 0:
-                if held and s != gi[G_SLOT, g]:
-                    continue
-            elif not held or s == gi[G_SLOT, g] or (best >= 0 and gf[G_CLB + k, g] * BOUND_MARGIN > bscore):
-                continue
-            score, low = _score(ps, c.recf, g, s, now, until)
-            gf[G_CLB + k, g] = low
-            gf[G_CUNTIL + k, g] = until
-            gl[G_CSTAMP + k, g] = rec[s, STAMP]
-            stamp = np.int64(rec[s, STAMP])
-            if best < 0 or score < bscore or (score == bscore and stamp < bstamp):
-                best, bscore, bstamp = s, score, stamp
+        elif best >= 0 and gf[G_CLB + k, g] * BOUND_MARGIN > bscore:
+            continue
+        scored |= 1 << k
+        score, low = _score(ps, c.recf, g, s, now, until)
+        gf[G_CLB + k, g] = low
+        gf[G_CUNTIL + k, g] = until
+        gl[G_CSTAMP + k, g] = rec[s, STAMP]
+        stamp = np.int64(rec[s, STAMP])
+        if best < 0 or score < bscore or (score == bscore and stamp < bstamp):
+            best, bscore, bstamp = s, score, stamp
     lb, lb_until = math.inf, math.inf
     for k in range(3):
         if gi[G_CAND + k, g] >= 0:
@@ -518,15 +520,19 @@ def _select(ps, c, now, full, rescore):
                 continue
         elif ps.gi[G_COUNT, g] == 0:
             continue
-        elif not ps.gi[G_FRESH, g]:
-            _group_cands(ps.root, c.rec, ps.gi, si[DENS], g)
-            _group_best(ps, c, g, now)
-        elif ps.gi[G_FRESH, g] == 2 or ps.gl[G_EPOCH, g] != epoch or ps.gf[G_NOW, g] != now:
-            flag = 0 if (multi and (g % GROUP_SLOT) // _TYPES == PE) else 1
-            held = ps.gi[G_FRESH, g] == 1 and ps.gl[G_EPOCH, g] == epoch and now <= ps.gf[G_UNTIL, g]
-            if best >= 0 and (flag > bflag or (flag == bflag and held and ps.gf[G_LB, g] * BOUND_MARGIN > bscore)):
-                continue  # none of its candidates can be the least (see _bound); its best is left stale
-            _group_best(ps, c, g, now)
+        else:
+            fresh = ps.gi[G_FRESH, g]
+            if not fresh:
+                _group_cands(ps.root, c.rec, ps.gi, si[DENS], g)
+            elif fresh == 1 and ps.gl[G_EPOCH, g] == epoch and ps.gf[G_NOW, g] == now:
+                fresh = -1  # its best is up to date
+            elif best >= 0:
+                flag = 0 if (multi and (g % GROUP_SLOT) // _TYPES == PE) else 1
+                held = fresh == 1 and ps.gl[G_EPOCH, g] == epoch and now <= ps.gf[G_UNTIL, g]
+                if flag > bflag or (flag == bflag and held and ps.gf[G_LB, g] * BOUND_MARGIN > bscore):
+                    continue  # none of its candidates can be the least (see _bound); its best is left stale
+            if fresh >= 0:  # one call site: the kernel inlines it, and each copy costs compile time
+                _group_best(ps, c, g, now)
         flag = 0 if (multi and (g % GROUP_SLOT) // _TYPES == PE) else 1
         score, stamp = ps.gf[G_SCORE, g], ps.gl[G_STAMP, g]
         if best < 0 or flag < bflag or (flag == bflag and (score < bscore or (score == bscore and stamp < bstamp))):
