@@ -28,8 +28,9 @@ mooncake_synthetic made four times longer, 14 groups at a time and 15 scores a r
 most of that work without changing a victim. Each scoring also gives a lower bound on the group's scores over the
 next ``BOUND_SPAN`` of the turnover horizon (_bound); a later scan skips a group whose bound is above the least score it
 has found so far, and it starts from the group it chose last, whose score is usually the least again. Few groups can
-be skipped for long, though: eviction keeps every group's oldest blocks near the same score (on that trace, 80 % of
-the groups rescored end within 10 % of the least), so about a third of the scores remain (15 -> 5.2 a request).
+be skipped for long, though: eviction keeps every group's oldest blocks near the same score (on the trace made 16
+times longer, 84 % of the groups rescored end within 10 % of the least), so about a third of the scores remain
+(15 -> 4.4 a request).
 
 Under the paper's ranking (``density=False``) a group's score falls with idle time, so its candidates are its
 oldest listed and oldest returned blocks, except in structural groups, which are *sampled*: their lists hold inner
@@ -39,7 +40,7 @@ Python policy's scan does (see :func:`_walk`; it must run exactly as often, as p
 Row columns: the release stamp, the group (set at release; -1 before), where the block waits (0: pinned or parked,
 1: its group's list, 2: its returned set) and the treap's links.
 
-Why one piece (~830 lines): the hooks, the candidate scan and the state's load and export share one row layout and
+Why one piece (~900 lines): the hooks, the candidate scan and the state's load and export share one row layout and
 one set of scalars, and each hook is the compiled copy of the Python hook of the same name; split, every module
 would import every other's column and scalar names.
 """
@@ -114,8 +115,8 @@ class SAEState(NamedTuple):
     n_prompt: np.ndarray  # int32 per request: prompt blocks (at least 1)
     req_pst: np.ndarray  # float64 per request: the structural continuation rate after its arrival
     gi: np.ndarray  # int32 [G_*, group] (G_CAND + 0 .. 2: the candidates)
-    gl: np.ndarray  # int64 [G_STAMP | G_EPOCH, group]
-    gf: np.ndarray  # float64 [G_SCORE | G_NOW | G_LB | G_UNTIL, group]
+    gl: np.ndarray  # int64 [G_STAMP | G_EPOCH | G_CSTAMP + 0 .. 2, group]
+    gf: np.ndarray  # float64 [G_SCORE | G_NOW | G_LB | G_UNTIL | G_CLB + 0 .. 2 | G_CUNTIL + 0 .. 2, group]
     slotp: np.ndarray  # float64 per bin: the continuation probability it stands for
     gaps: np.ndarray  # float64 [queue, (mu, sigma sqrt 2, mean, mu + sigma^2)]
     coef: np.ndarray  # float64 per queue-type code: alpha_q * w_type
@@ -335,15 +336,14 @@ def _score(ps, recf, g, s, now, until):
 
 
 @inline
-def _consider(ps, c, g, s, now, until, best, bscore, bstamp, lb):
+def _consider(ps, c, g, s, now, best, bscore, bstamp):
     if s < 0:
-        return best, bscore, bstamp, lb
-    score, low = _score(ps, c.recf, g, s, now, until)
+        return best, bscore, bstamp
+    score, _ = _score(ps, c.recf, g, s, now, now)  # a sampled group keeps no bound
     stamp = np.int64(c.rec[s, STAMP])
-    lb = min(lb, low)
     if best < 0 or score < bscore or (score == bscore and stamp < bstamp):
-        return s, score, stamp, lb
-    return best, bscore, bstamp, lb
+        return s, score, stamp
+    return best, bscore, bstamp
 
 
 @jit
@@ -426,9 +426,9 @@ def _group_best(ps, c, g, now):
 @inline
 def _held_best(ps, c, g, now):
     """_group_best over a sampled structural group's held candidates."""
-    best, bscore, bstamp, lb = -1, 0.0, np.int64(0), math.inf
+    best, bscore, bstamp = -1, 0.0, np.int64(0)
     for k in range(ps.gi[G_HN, g]):
-        best, bscore, bstamp, lb = _consider(ps, c, g, ps.hslot[g, k], now, now, best, bscore, bstamp, lb)
+        best, bscore, bstamp = _consider(ps, c, g, ps.hslot[g, k], now, best, bscore, bstamp)
     ps.gi[G_SLOT, g] = best
     ps.gf[G_SCORE, g] = bscore
     ps.gl[G_STAMP, g] = bstamp
@@ -512,6 +512,7 @@ def _select(ps, c, now, full, rescore):
             g = ps.gi[G_ORDER, k]
             if g == first:
                 continue
+        flag = 0 if (multi and (g % GROUP_SLOT) // _TYPES == PE) else 1
         if sampled and g < N_ST and g // _TYPES == ST:
             if ps.gi[G_DIRTY, g] or (full and (ps.gi[G_HN, g] < 0 or rescore or _held_invalid(ps, c.rec, g))):
                 _walk(ps, c, g, now)
@@ -527,13 +528,11 @@ def _select(ps, c, now, full, rescore):
             elif fresh == 1 and ps.gl[G_EPOCH, g] == epoch and ps.gf[G_NOW, g] == now:
                 fresh = -1  # its best is up to date
             elif best >= 0:
-                flag = 0 if (multi and (g % GROUP_SLOT) // _TYPES == PE) else 1
                 held = fresh == 1 and ps.gl[G_EPOCH, g] == epoch and now <= ps.gf[G_UNTIL, g]
                 if flag > bflag or (flag == bflag and held and ps.gf[G_LB, g] * BOUND_MARGIN > bscore):
                     continue  # none of its candidates can be the least (see _bound); its best is left stale
             if fresh >= 0:  # one call site: the kernel inlines it, and each copy costs compile time
                 _group_best(ps, c, g, now)
-        flag = 0 if (multi and (g % GROUP_SLOT) // _TYPES == PE) else 1
         score, stamp = ps.gf[G_SCORE, g], ps.gl[G_STAMP, g]
         if best < 0 or flag < bflag or (flag == bflag and (score < bscore or (score == bscore and stamp < bstamp))):
             best, bflag, bscore, bstamp = ps.gi[G_SLOT, g], flag, score, stamp
