@@ -236,13 +236,12 @@ def insert_run(c, ps, x0, x1, plen, depth, output, now):
 
 @template
 def admit(c, ps, j, now):
-    """PrefixCache.admit of request ``j`` into ``path``; returns (hit blocks, path length)."""
+    """PrefixCache.admit of request ``j`` into ``path`` up to its missing blocks (run_window inserts those); returns
+    the hit blocks, which are the path's length too."""
     rec, recf, path, slot_of, ids = c.rec, c.recf, c.path, c.slot_of, c.ids
-    s0 = c.po[j]
-    e0 = c.po[j + 1]
     plen = 0
     free_from = -1  # the slots no request held: a suffix of the hit run (a parent is held at least as often)
-    for x in range(s0, e0):
+    for x in range(c.po[j], c.po[j + 1]):
         s = slot_of[ids[x]]
         if s < 0:
             break
@@ -253,23 +252,17 @@ def admit(c, ps, j, now):
         rec[s, HITS] += 1
         path[plen] = s
         plen += 1
-    n_hit = plen
     if free_from >= 0:
-        on_acquire(ps, c, path, free_from, n_hit)
-    if n_hit > 0:
-        on_hit(ps, c, path, 0, n_hit, now)
-    if s0 + n_hit < e0:
-        plen = insert_run(c, ps, s0 + n_hit, e0, plen, n_hit, False, now)
-    return n_hit, plen
+        on_acquire(ps, c, path, free_from, plen)
+    if plen > 0:
+        on_hit(ps, c, path, 0, plen, now)
+    return plen
 
 
 @template
-def complete(c, ps, j, plen, now):
-    """``on_complete`` then PrefixCache.complete of request ``j`` holding ``path[:plen]``."""
-    on_complete(ps, c, j, now)
-    n_prompt = c.po[j + 1] - c.po[j]
-    if c.cache_outputs and c.oo[j + 1] > c.oo[j] and plen == n_prompt:
-        plen = insert_run(c, ps, c.n_pr + c.oo[j], c.n_pr + c.oo[j + 1], plen, n_prompt, True, now)
+def release(c, ps, plen, now):
+    """The end of PrefixCache.complete: the request's blocks ``path[:plen]`` are unpinned deepest first, and those no
+    request holds any more are released."""
     rec, recf, path = c.rec, c.recf, c.path
     i0 = plen
     for i in range(plen - 1, -1, -1):  # deepest first; the released ones are a suffix, as pins fall with depth
@@ -319,8 +312,8 @@ def run_window(c, ps, sv, a, b, hits_out, finish):
 
     One step per iteration: complete a request, or admit the next one. Instant mode completes each request right
     after its admission, on the path it holds; timed mode completes the requests whose events are due before the
-    next arrival (their paths rebuilt from their deepest held slot). One call site each for admission and
-    completion keeps the kernel small (they are inlined). ``TIMED`` is a constant of each kernel
+    next arrival (their paths rebuilt from their deepest held slot). One call site of each template keeps the
+    kernel small (they are inlined). ``TIMED`` is a constant of each kernel
     (:func:`~sae_env.fast_engine.jit.kernel`), so an instant-mode kernel holds none of the timed code."""
     c, ps, sv = borrow(c), borrow(ps), borrow(sv)  # no reference counting inside (jit.borrow says why)
     j = a
@@ -330,6 +323,7 @@ def run_window(c, ps, sv, a, b, hits_out, finish):
     while True:
         i = -1
         now = 0.0
+        n_hit = 0
         if due >= 0:
             i = due
             due = -1
@@ -346,26 +340,40 @@ def run_window(c, ps, sv, a, b, hits_out, finish):
                     s = rec[s, PARENT]
                 sv.held[i] = srv.NOT_HELD
                 sv.held_len[i] = 0
-        if i >= 0:
-            complete(c, ps, i, plen, now)
-            continue
-        if j < b:
+        # The blocks to insert, x0 .. x1 - 1 after path[:plen] at depth ``depth``: a completion's outputs, or an
+        # admission's missing prompt blocks. One call site of insert_run for both: it inlines the policy's eviction,
+        # the largest part of a kernel, and every copy costs compile time (two cost SAECache's kernel a third more).
+        completing = i >= 0
+        if completing:  # PrefixCache.complete: on_complete, the outputs when the whole prompt is cached, release
+            on_complete(ps, c, i, now)
+            depth = c.po[i + 1] - c.po[i]
+            x0 = x1 = 0
+            if c.cache_outputs and c.oo[i + 1] > c.oo[i] and plen == depth:
+                x0, x1 = c.n_pr + c.oo[i], c.n_pr + c.oo[i + 1]
+        elif j < b:
             now = c.t[j]
             on_request(ps, c, j, now)
-            n_hit, plen = admit(c, ps, j, now)
-            hits_out[j - a] = n_hit
+            plen = admit(c, ps, j, now)
+            n_hit = depth = plen
+            x0, x1 = c.po[j] + n_hit, c.po[j + 1]
+        else:
             if TIMED:
-                sv.held[j] = c.path[plen - 1] if plen > 0 else -1
-                sv.held_len[j] = plen
-                prompt = sv.ptok[j]
-                cached = min(n_hit * sv.block_size, prompt)
-                srv.submit(sv, j, now, prompt - cached, cached)
-            else:
-                due = j
-            j += 1
+                if finish and not draining:
+                    draining = True
+                    continue
+            break
+        if x0 < x1:
+            plen = insert_run(c, ps, x0, x1, plen, depth, completing, now)
+        if completing:
+            release(c, ps, plen, now)
             continue
+        hits_out[j - a] = n_hit
         if TIMED:
-            if finish and not draining:
-                draining = True
-                continue
-        break
+            sv.held[j] = c.path[plen - 1] if plen > 0 else -1
+            sv.held_len[j] = plen
+            prompt = sv.ptok[j]
+            cached = min(n_hit * sv.block_size, prompt)
+            srv.submit(sv, j, now, prompt - cached, cached)
+        else:
+            due = j
+        j += 1
