@@ -210,6 +210,21 @@ def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 _REQ_FIELDS = ("t", "session", "turn", "app", "prompt_tokens", "output_tokens")
 
 
+def _column(values: Any, dtype: type) -> np.ndarray:
+    """A read-only contiguous view of ``values`` as ``dtype``. A trace is data: no replay writes into it, and arrays
+    that Ray hands a worker are read-only anyway, so read-only everywhere gives every compiled kernel one signature,
+    compiled once for a serial replay and for a Ray worker alike (a writable and a read-only array are two types to
+    numba)."""
+    a = np.ascontiguousarray(values, dtype=dtype).view()
+    a.flags.writeable = False
+    return a
+
+
+_COLUMN_DTYPES = {"t": np.float64, "session": np.int64, "turn": np.int32, "app": np.int8, "prompt_tokens": np.int64,
+                  "output_tokens": np.int64, "prompt_offsets": np.int64, "prompt_keys": np.int64, "prompt_types": np.int8,
+                  "output_offsets": np.int64, "output_keys": np.int64, "output_types": np.int8, "features": np.float32}
+
+
 class Trace:
     """A sequence of requests in arrival order, stored column by column.
 
@@ -232,7 +247,8 @@ class Trace:
     ===================  ============  ======================================================================
 
     ``block_size`` is the number of tokens per block; ``meta`` is a JSON-able dict (source, provenance, ...).
-    Construction validates shapes, dtypes and invariants and raises :class:`TraceFormatError` on violation.
+    Construction validates shapes, dtypes and invariants and raises :class:`TraceFormatError` on violation. The
+    columns are read-only (see :func:`_column`); to change one, set it anew (``trace.t = ...``).
     """
 
     __slots__ = ("t", "session", "turn", "app", "prompt_tokens", "output_tokens", "prompt_offsets", "prompt_keys",
@@ -241,28 +257,28 @@ class Trace:
     def __init__(self, *, t, session, turn, app, prompt_tokens, output_tokens, prompt_offsets, prompt_keys,
                  prompt_types, output_offsets=None, output_keys=None, output_types=None, features=None,
                  block_size: int, meta: dict[str, Any] | None = None, validate: bool = True):
-        self.t = np.ascontiguousarray(t, dtype=np.float64)
+        self.t = t
         n = self.t.size
-        self.session = np.ascontiguousarray(session, dtype=np.int64)
-        self.turn = np.ascontiguousarray(turn, dtype=np.int32)
-        self.app = np.ascontiguousarray(app, dtype=np.int8)
-        self.prompt_tokens = np.ascontiguousarray(prompt_tokens, dtype=np.int64)
-        self.output_tokens = np.ascontiguousarray(output_tokens, dtype=np.int64)
-        self.prompt_offsets = np.ascontiguousarray(prompt_offsets, dtype=np.int64)
-        self.prompt_keys = np.ascontiguousarray(prompt_keys, dtype=np.int64)
-        self.prompt_types = np.ascontiguousarray(prompt_types, dtype=np.int8)
+        self.session, self.turn, self.app = session, turn, app
+        self.prompt_tokens, self.output_tokens = prompt_tokens, output_tokens
+        self.prompt_offsets, self.prompt_keys, self.prompt_types = prompt_offsets, prompt_keys, prompt_types
         if output_offsets is None:
             output_offsets = np.zeros(n + 1, dtype=np.int64)
             output_keys = np.zeros(0, dtype=np.int64)
             output_types = np.zeros(0, dtype=np.int8)
-        self.output_offsets = np.ascontiguousarray(output_offsets, dtype=np.int64)
-        self.output_keys = np.ascontiguousarray(output_keys, dtype=np.int64)
-        self.output_types = np.ascontiguousarray(output_types, dtype=np.int8)
-        self.features = None if features is None else np.ascontiguousarray(features, dtype=np.float32)
+        self.output_offsets, self.output_keys, self.output_types = output_offsets, output_keys, output_types
+        self.features = features
         self.block_size = int(block_size)
         self.meta = dict(meta or {})
         if validate:
             self.validate()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A column, whenever it is set, is stored as :func:`_column` makes it: contiguous, of its dtype, read-only."""
+        dtype = _COLUMN_DTYPES.get(name)
+        if dtype is not None and value is not None:
+            value = _column(value, dtype)
+        object.__setattr__(self, name, value)
 
     # -- invariants ------------------------------------------------------------------------------------------
     def validate(self) -> None:

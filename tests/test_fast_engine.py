@@ -138,8 +138,8 @@ def test_when_oracle_factors_agree(trace, capacity, factor):
        tau=st.sampled_from([None, 0.001, 5.0]), predictor=st.booleans(), max_turn=st.integers(1, 3))
 def test_lpc_options_agree(trace, capacity, tau, predictor, max_turn):
     session = np.array([i // 3 for i in range(len(trace))])
-    trace.session[:] = session
-    trace.turn[:] = 1 + np.array([i % 3 for i in range(len(trace))])
+    trace.session = session
+    trace.turn = 1 + np.array([i % 3 for i in range(len(trace))])
     options = {"tau": tau, "max_turn": max_turn,
                "predictor": (lambda tr, i: (0.2 + 0.5 * (i % 2), 0.1)) if predictor else None}
     py, fast = both(trace, "lpc", capacity, options=options, window_requests=4)
