@@ -220,9 +220,11 @@ def _column(values: Any, dtype: type) -> np.ndarray:
     return a
 
 
-_COLUMN_DTYPES = {"t": np.float64, "session": np.int64, "turn": np.int32, "app": np.int8, "prompt_tokens": np.int64,
-                  "output_tokens": np.int64, "prompt_offsets": np.int64, "prompt_keys": np.int64, "prompt_types": np.int8,
-                  "output_offsets": np.int64, "output_keys": np.int64, "output_types": np.int8, "features": np.float32}
+_COLUMN_DTYPES = {"t": np.float64, "session": np.int64, "turn": np.int32, "app": np.int8,
+                  "prompt_tokens": np.int64, "output_tokens": np.int64,
+                  "prompt_offsets": np.int64, "prompt_keys": np.int64, "prompt_types": np.int8,
+                  "output_offsets": np.int64, "output_keys": np.int64, "output_types": np.int8,
+                  "features": np.float32}
 
 
 class Trace:
