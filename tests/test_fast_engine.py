@@ -545,3 +545,27 @@ def test_a_cache_index_naming_a_state_class_that_is_gone_is_a_miss(tmp_path, mon
     assert ours._load_index() == {}
     with pytest.raises((AttributeError, ImportError)):
         foreign._load_index()
+
+
+def test_writable_and_read_only_inputs_share_one_kernel():
+    """A trace built from writable arrays and one built from read-only ones (as Ray hands a worker its arrays) replay
+    on the same compiled kernels: no second signature, so no second compile (a replay on a Ray worker compiled
+    SAECache's kernel again, for 20-40 s, before trace columns were read-only)."""
+    from sae_env.fast_engine import jit
+
+    def signatures() -> int:
+        return sum(len(k.signatures) for k in jit._KERNELS.values())
+
+    trace = _real("taubench", 40)
+    frozen = {}
+    for name in ("t", "session", "turn", "app", "prompt_tokens", "output_tokens", "prompt_offsets", "prompt_keys",
+                 "prompt_types", "output_offsets", "output_keys", "output_types"):
+        frozen[name] = getattr(trace, name).copy()
+        frozen[name].flags.writeable = False
+    writable = {name: a.copy() for name, a in frozen.items()}
+    for cols in (writable, frozen):
+        tr = Trace(**cols, block_size=trace.block_size)
+        Replay(tr, PrefixCache(50, make_policy("lru")), None, engine="fast").run()
+        if cols is writable:
+            before = signatures()
+    assert before > 0 and signatures() == before

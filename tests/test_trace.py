@@ -297,6 +297,28 @@ def _with_bs(tr, bs):
                  prompt_types=tr.prompt_types, block_size=bs)
 
 
+def test_columns_are_read_only_whenever_set():
+    """A trace is data: its columns are read-only (so every compiled kernel sees one array type, serial or on Ray),
+    the caller's arrays are not frozen with them, and a column set anew is stored the same way, in its dtype."""
+    t = np.array([0.0])
+    tr = _one(t=t, turn=np.array([1], dtype=np.int64))
+    assert t.flags.writeable  # the caller's array is left as it was
+    for name in ("t", "session", "turn", "app", "prompt_tokens", "output_tokens", "prompt_offsets", "prompt_keys",
+                 "prompt_types", "output_offsets", "output_keys", "output_types"):
+        col = getattr(tr, name)
+        assert not col.flags.writeable and col.flags.c_contiguous, name
+        with pytest.raises(ValueError, match="read-only"):
+            col[:1] = 0
+    assert tr.turn.dtype == np.int32
+    tr.session = [7]
+    assert tr.session.dtype == np.int64 and not tr.session.flags.writeable and tr.session.tolist() == [7]
+    tr.features = None  # an optional column stays None
+    assert tr.features is None
+    tr.features = [[1.0, 2.0]]
+    assert tr.features.dtype == np.float32 and not tr.features.flags.writeable
+    assert not tr.with_times(np.array([3.0])).t.flags.writeable
+
+
 # -- validation and bad files ------------------------------------------------------------------------------------
 
 def _one(**over):
