@@ -5,7 +5,7 @@ trace, each in a new process.
 
     python benchmarks/decision_time.py [--traces wildchat,taubench,...] [--runs 5] [--warmup 1] [--capacity 0.1]
         [--policy saecache] [--against lpc] [--policy-opt KEY=VALUE ...] [--opt KEY=VALUE ...] [--repeat N]
-        [--json FILE]
+        [--warm] [--json FILE]
 
 Prints one row per trace: the ratio (policy over against, each run's own pair) as median and range over the runs,
 and each policy's median us per request; the last line is ``ratio_max=...``, the largest median. These machines are
@@ -16,11 +16,18 @@ others load.
 ``--repeat N`` times each trace made N times longer at the same arrival rate (:func:`repeated`: N copies one after
 another, each with sessions and blocks of its own): what a policy's decision time does as a trace grows, where
 loading the kernels weighs less and the per-request work more.
+
+``--warm`` runs the same ``train.py replay`` command in this process instead, ``--runs`` times per trace after one
+unreported call: each call's replays find the kernels loaded and the process warm, so a ratio is per-request work
+only, each against the reference policy's replay of the same call (the house's way to time on a noisy machine). The
+table then also gives the ratio of each policy's least time over the runs, the figure noise disturbs least.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import statistics
 import subprocess
@@ -71,6 +78,29 @@ def one_run(trace: str, policy: str, against: str, capacity: str, extra: list[st
     return {r["policy"]: float(r["decision_us_per_request"]) for r in rows}
 
 
+def warm_runs(trace: str, policy: str, against: str, capacity: str, extra: list[str],
+              runs: int) -> list[dict[str, float]]:
+    """``runs`` + 1 calls of ``train.py replay`` in this process (the first unreported: it loads the kernels), as
+    :func:`one_run` returns them. Raises RuntimeError with the command's last error line if one fails."""
+    from agents.cli import main as train
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(runs + 1):
+            path = Path(tmp) / f"replay{k}.json"
+            argv = ["replay", "--trace", trace, "--policy", f"{against},{policy}", "--capacity", capacity, "--json",
+                    str(path), *extra]
+            said = io.StringIO()
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said):
+                code = train(argv)
+            if code != 0:
+                lines = [x for x in said.getvalue().splitlines() if x.strip()]
+                raise RuntimeError(lines[-1] if lines else f"train.py replay exited {code}")
+            if k:
+                out.append({r["policy"]: float(r["decision_us_per_request"]) for r in json.loads(path.read_text())})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", default=",".join(TRACES), help="trace names, as replay's --trace (comma list)")
@@ -88,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="time each trace made N times longer at the same arrival rate (N copies in a row, each with "
                         "its own sessions and blocks; default 1: the trace as it is)")
+    p.add_argument("--warm", action="store_true",
+                   help="time warm replays in this process (--runs calls of the command after one unreported) "
+                        "instead of each run's first replay in a new process")
     p.add_argument("--json", metavar="FILE", help="also write every run's figures as JSON")
     args = p.parse_args(argv)
     traces = [x.strip() for x in args.traces.split(",") if x.strip()]
@@ -131,39 +164,53 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     results: dict[str, list[dict[str, float]]] = {t: [] for t in traces}
-    jobs = [(traces[0], None)] * args.warmup + [(t, results[t]) for t in traces for _ in range(args.runs)]
+    if args.warm:
+        jobs = [(t, results[t]) for t in traces]
+        args.warmup = 0  # each trace's first call is its warm-up
+    else:
+        jobs = [(traces[0], None)] * args.warmup + [(t, results[t]) for t in traces for _ in range(args.runs)]
     with tqdm(total=len(jobs), unit="run", leave=False, file=sys.stderr, disable=None) as bar:
         for trace, kept in jobs:
             bar.set_postfix_str(trace if kept is not None else f"{trace} (warm-up)")
             try:
-                run = one_run(str(paths[trace]), args.policy, args.against, args.capacity, extra)
+                if args.warm:
+                    kept.extend(warm_runs(str(paths[trace]), args.policy, args.against, args.capacity, extra,
+                                          args.runs))
+                else:
+                    run = one_run(str(paths[trace]), args.policy, args.against, args.capacity, extra)
+                    if kept is not None:
+                        kept.append(run)
             except RuntimeError as e:
                 bar.close()
                 why = str(e).removeprefix("error: ")
                 print(f"error: {trace}: {why}", file=sys.stderr)
                 return 2
-            if kept is not None:
-                kept.append(run)
             bar.update()
     label = args.policy + "".join(f" {kv}" for kv in args.policy_opt)
     tmp.cleanup()
     longer = f", each trace {args.repeat} times longer (--repeat)" if args.repeat > 1 else ""
-    print(f"decision_us_per_request of `train.py replay --capacity {args.capacity}`, first replay of a process, "
-          f"{args.runs} run(s) per trace after {args.warmup} unreported{longer}: {label} over {args.against}")
+    how = (f"warm replays in one process, {args.runs} call(s) per trace after one unreported" if args.warm else
+           f"first replay of a process, {args.runs} run(s) per trace after {args.warmup} unreported")
+    print(f"decision_us_per_request of `train.py replay --capacity {args.capacity}`, {how}{longer}: {label} over "
+          f"{args.against}")
+    least = " | least / least" if args.warm else ""
     print(f"| trace | {args.policy} / {args.against}: median (range) | {args.policy} us/request | "
-          f"{args.against} us/request |")
-    print("|---|---|---|---|")
+          f"{args.against} us/request{least} |")
+    print("|---|---|---|---|" + ("---|" if args.warm else ""))
     medians = []
     for trace, runs in results.items():
         ratios = [r[args.policy] / r[args.against] for r in runs]
         m = statistics.median(ratios)
         medians.append(m)
+        tail = (f" | {min(r[args.policy] for r in runs) / min(r[args.against] for r in runs):.2f}x" if args.warm
+                else "")
         print(f"| {trace} | {m:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
               f"{statistics.median(r[args.policy] for r in runs):.2f} | "
-              f"{statistics.median(r[args.against] for r in runs):.2f} |")
+              f"{statistics.median(r[args.against] for r in runs):.2f}{tail} |")
     if args.json:
         write_json(args.json, {"policy": args.policy, "against": args.against, "capacity": args.capacity,
-                               "policy_opt": args.policy_opt, "opt": args.opt, "warmup": args.warmup, "runs": results},
+                               "policy_opt": args.policy_opt, "opt": args.opt, "warmup": args.warmup, "warm": args.warm,
+                               "runs": results},
                    indent=1)
     print(f"ratio_max={max(medians):.3f}")
     return 0
