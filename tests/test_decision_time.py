@@ -89,3 +89,28 @@ def test_repeat_makes_copies_that_share_nothing():
     capacity = 400
     hits = [summarize(replay(t, make_policy("lru"), capacity).windows)["hit_tokens"] for t in (trace, longer)]
     assert hits[1] == 3 * hits[0] > 0
+
+
+def test_warm_runs_time_the_same_command_in_one_process(tmp_path):
+    """--warm: the same train.py replay called --runs times in the benchmark's process after one unreported call; the
+    table adds the ratio of the least times, the JSON says warm."""
+    out = tmp_path / "warm.json"
+    done = run("--warm", "--traces", "bailian", "--runs", "2", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "warm replays in one process, 2 call(s) per trace after one unreported" in done.stdout
+    row = re.search(r"^\| bailian \| ([\d.]+)x \(([\d.]+)-([\d.]+)\) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$",
+                    done.stdout, re.M)
+    assert row, done.stdout
+    saved = json.loads(out.read_text())
+    runs = saved["runs"]["bailian"]
+    assert saved["warm"] is True and len(runs) == 2
+    assert all(set(r) == {"lpc", "saecache"} and min(r.values()) > 0 for r in runs)
+    least = min(r["saecache"] for r in runs) / min(r["lpc"] for r in runs)
+    assert abs(float(row.group(6)) - least) <= 0.005 + 1e-9
+
+
+def test_warm_mistake_exits_2_with_the_commands_line():
+    done = run("--warm", "--traces", "taubench", "--runs", "1", "--policy-opt", "bogus=1")
+    assert done.returncode == 2 and done.stdout == ""
+    lines = [x for x in done.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: taubench: --policy-opt bogus: none of lpc"), done.stderr
