@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -68,14 +69,28 @@ def one_run(trace: str, policy: str, against: str, capacity: str, extra: list[st
     with train.py's last error line if it fails."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "replay.json"
-        cmd = [sys.executable, str(ROOT / "train.py"), "replay", "--trace", trace, "--policy", f"{against},{policy}",
-               "--capacity", capacity, "--json", str(out), *extra]
+        cmd = [sys.executable, str(ROOT / "train.py"), *_replay_args(trace, policy, against, capacity, out, extra)]
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
         if done.returncode != 0:
-            lines = [x for x in (done.stderr or done.stdout).splitlines() if x.strip()]
-            raise RuntimeError(lines[-1] if lines else f"train.py replay exited {done.returncode}")
-        rows = json.loads(out.read_text())
-    return {r["policy"]: float(r["decision_us_per_request"]) for r in rows}
+            _fail(done.stderr or done.stdout, done.returncode)
+        return _figures(out)
+
+
+def _replay_args(trace: str, policy: str, against: str, capacity: str, out: Path, extra: list[str]) -> list[str]:
+    """``train.py replay``'s arguments for one run: ``against``, then ``policy``, their figures to ``out``."""
+    return ["replay", "--trace", trace, "--policy", f"{against},{policy}", "--capacity", capacity, "--json", str(out),
+            *extra]
+
+
+def _figures(out: Path) -> dict[str, float]:
+    """Each policy's ``decision_us_per_request`` from a run's ``--json``."""
+    return {r["policy"]: float(r["decision_us_per_request"]) for r in json.loads(out.read_text())}
+
+
+def _fail(said: str, code: int) -> NoReturn:
+    """RuntimeError with train.py's last error line."""
+    lines = [x for x in said.splitlines() if x.strip()]
+    raise RuntimeError(lines[-1] if lines else f"train.py replay exited {code}")
 
 
 def warm_runs(trace: str, policy: str, against: str, capacity: str, extra: list[str],
@@ -88,16 +103,13 @@ def warm_runs(trace: str, policy: str, against: str, capacity: str, extra: list[
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(runs + 1):
             path = Path(tmp) / f"replay{k}.json"
-            argv = ["replay", "--trace", trace, "--policy", f"{against},{policy}", "--capacity", capacity, "--json",
-                    str(path), *extra]
             said = io.StringIO()
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said):
-                code = train(argv)
+                code = train(_replay_args(trace, policy, against, capacity, path, extra))
             if code != 0:
-                lines = [x for x in said.getvalue().splitlines() if x.strip()]
-                raise RuntimeError(lines[-1] if lines else f"train.py replay exited {code}")
+                _fail(said.getvalue(), code)
             if k:
-                out.append({r["policy"]: float(r["decision_us_per_request"]) for r in json.loads(path.read_text())})
+                out.append(_figures(path))
     return out
 
 

@@ -44,14 +44,15 @@ def test_sigterm_cleans_up_and_sigkill_leftovers_go_at_the_next_start():
     proc, own = _driver()
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    assert all(p.exists() for p in own)  # a SIGKILL leaves them (checked at once: see below)
     time.sleep(1)  # its Ray processes share its fate
     # Folders that are not a dead owner's stay: one of a live process, one without an owner file.
     live = Path(own_folder("sae-ray-"))  # owned by this (live) process
     unowned = Path(tempfile.mkdtemp(prefix="sae-ray-", dir="/tmp"))
     try:
         # What the next local cluster does first (ray_cluster and head_node call it before they make folders). The
-        # suite runs on two workers, so another test's cluster may be that next start and remove them first: what is
-        # left is removed here, and either way none stays.
+        # suite runs on two workers, so another test's cluster may be that next start and remove them first, during
+        # the sleep: what is left is removed here, and either way none stays.
         left = [p for p in own if p.exists()]
         removed = clean_stale_folders()
         assert set(map(str, left)) <= set(removed) and not any(p.exists() for p in own)

@@ -14,9 +14,9 @@ is a request admitted and completed at its arrival. Per request, exactly as the 
   cached is shared: a hit for the block); a key among the ghosts counts a miss after eviction, by its ghost's type
   and queue, before any eviction; a full cache evicts one victim first (``evict_one``); no victim = the rest of the
   run is bypassed and counted;
-* ``complete``: ``on_complete``, then when ``cache_outputs`` and the whole prompt is cached the output blocks follow
-  the same way, then the request's blocks are unpinned deepest first and those no request holds any more are
-  released (``on_release``);
+* completion (in ``run_window``): ``on_complete``, then when ``cache_outputs`` and the whole prompt is cached the
+  output blocks follow the same way (the same call of ``insert_run`` as an admission's), then ``release``: the
+  request's blocks are unpinned deepest first and those no request holds any more are released (``on_release``);
 * ``evict_one``: the policy's victim is forgotten, counted, its parent loses a child (``on_leaf`` when it has none
   left) and its key goes to the bounded ghost record (oldest dropped first), exactly as ``PrefixCache._evict_one``.
 
