@@ -394,38 +394,20 @@ def test_feature_rows_beyond_the_ring_of_cached_rows(monkeypatch):
         np.testing.assert_array_equal(model.feature_rows(idx), ref[idx])
 
 
-def _end_one_at_a_time(model: ContinuationModel, ended: np.ndarray, w: np.ndarray) -> None:
-    """The reference for ContinuationModel._end: what update_pending did before it took the ended requests as whole
-    arrays."""
-    for i, wi in zip(ended.tolist(), w.tolist(), strict=True):
-        model._unpend(i, wi)
-        model._label(i, 0.0)
-
-
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10_000), buffer=st.integers(1, 40), fill=st.integers(0, 80), n_end=st.integers(1, 120))
-def test_ending_many_requests_at_once_equals_one_at_a_time(seed, buffer, fill, n_end):
-    """Every float the same: the alive weights (subtracted in arrival order), the rates, the counts, and the
-    labelled buffer through any number of its truncations."""
-    trace = sessions_trace(40, seed=seed % 97)
-    rng = np.random.default_rng(seed)
+@given(buffer=st.integers(1, 40), fill=st.integers(0, 80), n_end=st.integers(0, 120))
+def test_recording_many_labels_at_once_equals_one_at_a_time(buffer, fill, n_end):
+    """The labelled buffer after ``_record_many`` holds what ``_record`` one at a time leaves, through any number of
+    its truncations."""
     models = [ContinuationModel(buffer=buffer) for _ in range(2)]
-    for m in models:
-        m.bind(trace)
-    n = len(trace)
-    for i in range(min(n, 30)):  # some history: counts, rates, pending weights
-        for m in models:
-            m.arrive(i, float(trace.t[i]))
-    for m in models:  # an arbitrary buffer fill, written through the one-at-a-time path
+    for m in models:  # an arbitrary fill, written through the one-at-a-time path
         for j in range(fill):
-            m._record(j % n, float(j % 2))
-    ended = np.sort(rng.choice(n, size=min(n_end, n), replace=False)).astype(np.int64)
-    w = rng.random(ended.size)
-    _end_one_at_a_time(models[0], ended, w)
-    models[1]._end(ended, w)
-    a, b = models[0], models[1]
-    assert a._alive == b._alive and a._rates == b._rates  # float lists, compared exactly
-    assert a._n_pending == b._n_pending and a._ended == b._ended
+            m._record(j, float(j % 2))
+    ended = np.arange(1000, 1000 + n_end, dtype=np.int64)
+    for i in ended.tolist():
+        models[0]._record(i, 0.0)
+    models[1]._record_many(ended, 0.0)
+    a, b = models
     assert a._lab_n == b._lab_n
     np.testing.assert_array_equal(a._lab_i[:a._lab_n], b._lab_i[:b._lab_n])
     np.testing.assert_array_equal(a._lab_y[:a._lab_n], b._lab_y[:b._lab_n])

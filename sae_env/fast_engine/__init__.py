@@ -16,7 +16,7 @@ Modules, one concept each:
 * :mod:`~sae_env.fast_engine.server` -- the prefill server and its cost models;
 * :mod:`~sae_env.fast_engine.heap` -- the keyed policies' lazy-deletion heap;
 * :mod:`~sae_env.fast_engine.treap` -- an ordered set of slots by (group, set, stamp), for SAECache's candidates;
-* :mod:`~sae_env.fast_engine.arrivals` -- SAECache's arrivals-only learning, per arrival (its refits stay numpy);
+* :mod:`~sae_env.fast_engine.arrivals` -- SAECache's arrivals-only learning, per arrival (its refits run in Python);
 * :mod:`~sae_env.fast_engine.twin` -- what a policy's compiled twin is, and the registry;
 * :mod:`~sae_env.fast_engine.baselines`, :mod:`~sae_env.fast_engine.oracles`, :mod:`~sae_env.fast_engine.lpc`,
   :mod:`~sae_env.fast_engine.saecache` -- the twins;

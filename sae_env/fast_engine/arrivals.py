@@ -3,8 +3,9 @@ model's ``arrive`` and ``p``): a window's requests in one call, the same floats 
 
 What stays in Python is what runs once per many arrivals: the continuation model's refit (at the update offers,
 every ``REFIT_EVERY`` arrivals, that its ``refit_growth`` schedule makes due, counted here as the model counts them,
-and its refresh at an arrival where its last refit lies more than its ``stale_after`` back:
-the requests idle past the horizon labelled ended, the rates' EM steps and, at a refit, the Newton steps of the
+and its refresh at an arrival where its last refit lies more than its ``stale_after`` back: the gap survival of the
+pending requests, the ended ones labelled and the rates' EM steps (:mod:`sae_env.policies.continuation_refit`, whose
+loops are compiled once a process has spent their load time in numpy) and, at a refit, the Newton steps of the
 correction, in numpy) and the block of ``z @ beta`` that ``p`` reads (1024 requests at a time). :func:`run` stops at
 the request that needs one of them, :class:`CompiledArrivals` does it through the Python model's own methods, and the
 loop goes on from that request.
@@ -12,7 +13,7 @@ loop goes on from that request.
 The per-arrival state lives here while the compiled engine holds the replay, as arrays, taken from the Python
 objects through the state contract (``export_state``) and given back the same way (``import_state``); the Python
 side offers only public hand-over methods (``Arrivals.routes``, the model's ``counts`` / ``set_counts`` /
-``update_pending`` / ``labelled_buffer`` / ``zb_at``):
+``update_counts`` / ``labelled_buffer`` / ``labelled_count`` / ``zb_at``):
 
 * sessions by dense id (this trace's session ids, sorted): the last arrival and its queue, the latest request, each
   with its place in the Python dict's insertion order (the exported state lists them in that order); the entries of
@@ -259,8 +260,8 @@ def _split(ids: np.ndarray, known: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 class CompiledArrivals:
     """An :class:`~sae_env.policies.arrivals.Arrivals` (bound to a trace) whose per-arrival state moved into an
     :class:`ArrivalState`, taken through the state contract (``export_state``); :meth:`save` gives it back
-    (``import_state``). At a refit the continuation model gets its counts back (``set_counts``), refits
-    (``update_pending``) and hands them over again (``counts``); the labelled buffer is the model's own arrays."""
+    (``import_state``). At a refit the continuation model updates the counts held here in place
+    (``update_counts``); the labelled buffer is the model's own arrays."""
 
     def __init__(self, arrivals: Arrivals) -> None:
         self.arrivals = arrivals
@@ -376,17 +377,15 @@ class CompiledArrivals:
 
     def _refit(self, now: float, fit: bool = True) -> None:
         """ContinuationModel.update at an arrival where run() found an offer its schedule makes due (``fit``) or the
-        model stale, on the pending arrays (the model's update_pending)."""
+        model stale, on the pending arrays and the per-turn counts held here (the model's update_counts, in place)."""
         st, model = self.state, self.arrivals.model
-        self._counts_to_model()
         pend, t_pend, w_pend = self._pending()
-        keep, soft = model.update_pending(now, self.arrivals.gaps, pend, t_pend, w_pend, fit=fit)
+        keep, soft = model.update_counts(now, self.arrivals.gaps, pend, t_pend, w_pend, st.counts, st.n_pending,
+                                         st.ai[LAB_N], fit=fit)
         m = soft.size
         st.pq_req[:m], st.pq[PQ_T, :m], st.pq[PQ_W, :m] = pend[keep], t_pend[keep], soft
         st.ai[PQ_N] = m
-        *counts, n_pending, lab_n = model.counts()
-        st.counts[:], st.n_pending[:] = counts, n_pending
-        st.ai[LAB_N] = lab_n
+        st.ai[LAB_N] = model.labelled_count
         st.af[REFIT_T] = model.last_refit
         if model.zb_block_start < 0:  # the fit moved beta: p asks for a new block
             st.ai[ZB_LEN] = 0

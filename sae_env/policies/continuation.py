@@ -58,9 +58,13 @@ and none while refits come more often than that (early in a trace); late in a lo
 arrivals apart, it fires once per typical gap even where arrivals are dense, and each refresh works through every
 pending request (README, "Decision time": the cost this has on long traces).
 
-Why one piece (~590 lines): the per-turn counts, the pending requests with their soft weights, the labelled buffer and
+Arithmetic. A refit's settling of the pending requests (which ended, their soft weights, the rates' EM steps) is
+:func:`~sae_env.policies.continuation_refit.settle`: numpy, or the same floats as compiled loops once a process has
+spent their load time in numpy (long traces). The gap survival and the Newton steps stay numpy here.
+
+Why one piece (~560 lines): the per-turn counts, the pending requests with their soft weights, the labelled buffer and
 the cached feature rows are one state that every arrival, refit and refresh updates together; the hand-over methods
-the compiled arrivals use (``counts`` / ``set_counts`` / ``update_pending`` / ``labelled_buffer`` / ``zb_at``) and the
+the compiled arrivals use (``counts`` / ``set_counts`` / ``update_counts`` / ``labelled_buffer`` / ``zb_at``) and the
 state contract read and write that same state, so split apart each piece would reach into the others' fields.
 """
 
@@ -73,6 +77,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from sae_env.policies.base import request_array
+from sae_env.policies.continuation_refit import RATES, settle
 from sae_env.policies.survival import LognormalGaps
 from sae_env.trace import N_TOKEN_TYPES, AppType, TokenType, Trace
 
@@ -413,58 +418,7 @@ class ContinuationModel:
             del pend_t[i], pend_w[i]
         pend_w.update(zip(pend[keep].tolist(), soft.tolist(), strict=True))  # the same keys: only the weights change
 
-    def survival(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray) -> np.ndarray:
-        """``S(c)`` of each pending request ``pend`` (arrived at ``t_pend``): the probability that its session's next
-        gap is longer than its idle time ``c`` at ``now``, under its queue's gap distribution."""
-        agent = self._agent_a[pend]
-        idle = now - t_pend
-        if agent.any():
-            return np.where(agent, gaps[1].sf_array(idle), gaps[0].sf_array(idle))
-        return gaps[0].sf_array(idle)  # elementwise: the same floats as through np.where, at half the work
-
-    def expired(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray,
-                surv: np.ndarray | None = None) -> np.ndarray:
-        """Which of the pending requests ``pend`` (arrived at ``t_pend``; ``surv``: their :meth:`survival`, computed
-        if not given) count as ended at ``now``: idle past the horizon, or alive with a posterior below
-        ``end_below`` (module docstring)."""
-        horizon_chat, horizon_agent = (g.upper(self.horizon_sigmas) for g in gaps)
-        over = now - t_pend > np.where(self._agent_a[pend], horizon_agent, horizon_chat)
-        if self.censoring and self.end_below > 0 and pend.size:
-            if surv is None:
-                surv = self.survival(now, gaps, pend, t_pend)
-            r = np.array(self._rates)[self._bucket_a[pend]]
-            over |= r * surv < self.end_below * np.maximum(1.0 - r + r * surv, 1e-300)
-        return over
-
-    def refit(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray,
-              fit: bool = True, surv: np.ndarray | None = None) -> np.ndarray:
-        """:meth:`update` once the requests that ended are labelled: the rates (and with ``fit`` the correction)
-        refitted on the pending requests ``pend`` (arrived at ``t_pend``, in arrival order; ``surv``: their
-        :meth:`survival`, computed if not given); returns their new soft weights."""
-        self._refit_t = now
-        if surv is None:
-            surv = self.survival(now, gaps, pend, t_pend)
-        bucket = self._bucket_a[pend]
-        a, b = self.prior
-        k = self.max_turn + 1
-        n_pend = np.bincount(bucket, minlength=k)
-        cont, ended = np.asarray(self._continued), np.asarray(self._ended)
-        soft = np.zeros(pend.size)
-        alive = np.zeros(k)  # the soft weights' sum per turn bucket (of the final weights, as the counts keep it)
-        rates = np.array(self._rates)
-        for _ in range(self.steps if self.censoring else 0):
-            r = rates[bucket]
-            soft = r * surv / np.maximum(1.0 - r + r * surv, 1e-300)
-            alive = np.bincount(bucket, weights=soft, minlength=k)
-            rates = (cont + alive + a) / (cont + ended + n_pend + a + b)
-        self._alive = alive.tolist()
-        self._n_pending = n_pend.tolist()
-        self._rates = rates.tolist()
-        if fit and self.features and (self._lab_n or pend.size):
-            self._fit(pend, surv)
-        return soft
-
-    def _fit(self, pend: np.ndarray, surv: np.ndarray) -> None:
+    def _fit(self, pend: np.ndarray, surv: np.ndarray, rates: np.ndarray) -> None:
         n_lab = min(self._lab_n, self.buffer)
         idx = np.empty(n_lab + pend.size, dtype=np.int64)
         y = np.zeros(idx.size)
@@ -472,7 +426,7 @@ class ContinuationModel:
         y[:n_lab] = self._lab_y[self._lab_n - n_lab:self._lab_n]
         idx[n_lab:] = pend
         z = self.feature_rows(idx)
-        r = np.clip(np.array(self._rates), P_CLIP, 1.0 - P_CLIP)
+        r = np.clip(rates, P_CLIP, 1.0 - P_CLIP)
         offset = np.log(r / (1.0 - r))[self._bucket_a[idx]]  # per turn bucket, then per row: the same floats
         beta = self.beta
         ridge = self.l2 * np.eye(_N_FEATURES)
@@ -524,30 +478,43 @@ class ContinuationModel:
         """:meth:`update` for a caller that keeps the pending requests ``pend`` (arrived at ``t_pend``, soft weights
         ``w_pend``, in arrival order) itself, once :meth:`update_due` said so (``fit``: a refit) or :meth:`stale`
         did (a refresh): returns which stay pending and their new soft weights."""
-        surv = self.survival(now, gaps, pend, t_pend)
-        over = self.expired(now, gaps, pend, t_pend, surv)
-        keep = ~over
-        if over.any():
-            self._end(pend[over], w_pend[over])
-            pend, t_pend, surv = pend[keep], t_pend[keep], surv[keep]
-        return keep, self.refit(now, gaps, pend, t_pend, fit, surv)
+        counts = np.array([self._rates, self._alive, self._continued, self._ended], dtype=np.float64)
+        n_pend = np.array(self._n_pending, dtype=np.int64)
+        out = self.update_counts(now, gaps, pend, t_pend, w_pend, counts, n_pend, self._lab_n, fit)
+        self.set_counts(*counts, n_pend, self._lab_n)
+        return out
 
-    def _end(self, ended: np.ndarray, w: np.ndarray) -> None:
-        """``_unpend`` then ``_label(i, 0)`` of each of the requests ``ended`` (soft weights ``w``) in arrival order,
-        as whole arrays: the same floats. A bucket's alive weight loses the weights one after another, in that order
-        (``np.subtract.at`` applies them in index order, unbuffered); its rate is computed once, from the final
-        counts, which is what its last refresh in the loop computed (thousands a refit on a busy trace, ~1.3 us
-        each in Python)."""
-        k = self._bucket_a[ended]
-        alive = np.array(self._alive, dtype=np.float64)
-        np.subtract.at(alive, k, w)
-        n = np.bincount(k, minlength=alive.size)
-        self._alive = alive.tolist()
-        self._n_pending = [x - d for x, d in zip(self._n_pending, n.tolist(), strict=True)]
-        self._ended = [e + d for e, d in zip(self._ended, n.tolist(), strict=True)]
-        for b in np.flatnonzero(n).tolist():
-            self._refresh_rate(b)
-        self._record_many(ended, 0.0)
+    def update_counts(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray,
+                      w_pend: np.ndarray, counts: np.ndarray, n_pend: np.ndarray, lab_n: int,
+                      fit: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`update_pending` for a caller that keeps the per-turn counts too (as :meth:`counts` gives them:
+        ``counts`` the rows rates, alive, continued, ended, float64; ``n_pend`` int64), updated here in place, and
+        has appended to the labelled buffer up to ``lab_n`` (:attr:`labelled_count` says how far it reaches after).
+        The requests that ended are labelled, the rest's soft weights and the rates refitted
+        (:func:`~sae_env.policies.continuation_refit.settle`), then with ``fit`` the correction."""
+        self._refit_t = now
+        self._lab_n = int(lab_n)
+        idle = now - t_pend
+        agent = self._agent_a[pend]
+        bucket = self._bucket_a[pend]
+        if agent.any():
+            surv = np.where(agent, gaps[1].sf_array(idle), gaps[0].sf_array(idle))
+        else:
+            surv = gaps[0].sf_array(idle)  # elementwise: the same floats as through np.where, at half the work
+        horizons = (gaps[0].upper(self.horizon_sigmas), gaps[1].upper(self.horizon_sigmas))
+        keep, soft = settle(idle, surv, w_pend, agent, bucket, horizons, counts, n_pend, self.prior, self.end_below,
+                            self.censoring, self.steps)
+        if soft.size < pend.size:
+            self._record_many(pend[~keep], 0.0)
+            pend, surv = pend[keep], surv[keep]
+        if fit and self.features and (self._lab_n or pend.size):
+            self._fit(pend, surv, counts[RATES])
+        return keep, soft
+
+    @property
+    def labelled_count(self) -> int:
+        """Entries of the labelled buffer in use."""
+        return self._lab_n
 
     # -- the state contract (sae_env.state): everything but what bind() derives from the trace ---------------
     def export_state(self) -> dict[str, object]:
