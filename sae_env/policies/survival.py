@@ -73,8 +73,9 @@ class LognormalGaps:
     def sf_array(self, dt: np.ndarray) -> np.ndarray:
         """:meth:`sf` of many idle times at once."""
         dt = np.asarray(dt, dtype=np.float64)
-        with np.errstate(divide="ignore"):
-            return np.where(dt > 0, 0.5 * erfc((np.log(np.maximum(dt, 1e-300)) - self.mu) / self._s2), 1.0)
+        # no np.errstate: the log's argument is at least 1e-300 and sigma > 0, so nothing divides by zero (entering
+        # and leaving an errstate cost ~10 us, a tenth of a refresh's survival on a few hundred requests)
+        return np.where(dt > 0, 0.5 * erfc((np.log(np.maximum(dt, 1e-300)) - self.mu) / self._s2), 1.0)
 
     def upper(self, sigmas: float) -> float:
         """The gap that only ``P(Z > sigmas)`` of gaps exceed (``Z`` standard normal)."""
