@@ -492,6 +492,10 @@ class ContinuationModel:
         has appended to the labelled buffer up to ``lab_n`` (:attr:`labelled_count` says how far it reaches after).
         The requests that ended are labelled, the rest's soft weights and the rates refitted
         (:func:`~sae_env.policies.continuation_refit.settle`), then with ``fit`` the correction."""
+        k = self.max_turn + 1
+        if counts.shape != (4, k) or counts.dtype != np.float64 or n_pend.shape != (k,) or n_pend.dtype != np.int64:
+            raise ValueError(f"continuation: update_counts takes counts float64 (4, {k}) and n_pend int64 ({k},), got "
+                             f"{counts.dtype} {counts.shape} and {n_pend.dtype} {n_pend.shape}")
         self._refit_t = now
         self._lab_n = int(lab_n)
         idle = now - t_pend
