@@ -154,7 +154,8 @@ def test_each_end_reason_ends_a_request_and_only_it():
 
 def test_the_tier_pays_the_load_time_in_numpy_first(monkeypatch):
     """Numpy until the estimated numpy time reaches LOAD_US, then the loops; the loops at once once they are loaded
-    (any signature compiled in this process)."""
+    (any signature compiled in this process); never the loops for a caller that does not opt in (numba may not run
+    in its process yet), and its calls do not count towards the load time."""
     calls = []
 
     def loops(*a):
@@ -171,13 +172,18 @@ def test_the_tier_pays_the_load_time_in_numpy_first(monkeypatch):
     args = (np.ones(rows), np.full(rows, 0.5), np.zeros(rows), np.zeros(rows, dtype=bool),
             np.ones(rows, dtype=np.int8), (10.0, 10.0), np.zeros((4, 2)), np.array([0, rows]), PRIOR, 0.01, True, 2)
     for _ in range(5):
-        refit.settle(*args)
+        refit.settle(*args)  # not opted in
+    assert calls == ["numpy"] * 5 and refit._spent_us == 0.0
+    calls.clear()
+    for _ in range(5):
+        refit.settle(*args, compiled=True)
     assert calls == ["numpy"] * 3 + ["loops"] * 2
     calls.clear()
     monkeypatch.setattr(refit, "_spent_us", 0.0)
     loops.signatures = ["loaded"]
+    refit.settle(*args, compiled=True)
     refit.settle(*args)
-    assert calls == ["loops"]
+    assert calls == ["loops", "numpy"]
 
 
 @pytest.mark.skipif(not refit.AVAILABLE, reason="numba is not installed")
@@ -199,3 +205,8 @@ def test_the_compiled_settling_makes_the_numpy_forms_decisions(trace_name, monke
         assert bool(calls) == compiled
         windows.append(r.windows)
     assert windows[0] == windows[1]
+    # the Python engine's refits never load the loops, whatever the load time
+    calls.clear()
+    r = Replay(trace, PrefixCache(capacity, make_policy("saecache")), engine="python")
+    r.step()
+    assert r.engine == "python" and not calls

@@ -381,7 +381,7 @@ class CompiledArrivals:
         st, model = self.state, self.arrivals.model
         pend, t_pend, w_pend = self._pending()
         keep, soft = model.update_counts(now, self.arrivals.gaps, pend, t_pend, w_pend, st.counts, st.n_pending,
-                                         st.ai[LAB_N], fit=fit)
+                                         st.ai[LAB_N], fit=fit, compiled=True)
         m = soft.size
         st.pq_req[:m], st.pq[PQ_T, :m], st.pq[PQ_W, :m] = pend[keep], t_pend[keep], soft
         st.ai[PQ_N] = m

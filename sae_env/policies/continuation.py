@@ -486,12 +486,13 @@ class ContinuationModel:
 
     def update_counts(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray,
                       w_pend: np.ndarray, counts: np.ndarray, n_pend: np.ndarray, lab_n: int,
-                      fit: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                      fit: bool = True, compiled: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`update_pending` for a caller that keeps the per-turn counts too (as :meth:`counts` gives them:
         ``counts`` the rows rates, alive, continued, ended, float64; ``n_pend`` int64), updated here in place, and
         has appended to the labelled buffer up to ``lab_n`` (:attr:`labelled_count` says how far it reaches after).
         The requests that ended are labelled, the rest's soft weights and the rates refitted
-        (:func:`~sae_env.policies.continuation_refit.settle`), then with ``fit`` the correction."""
+        (:func:`~sae_env.policies.continuation_refit.settle`, which may run compiled where the caller says numba
+        already runs: ``compiled``), then with ``fit`` the correction."""
         k = self.max_turn + 1
         if counts.shape != (4, k) or counts.dtype != np.float64 or n_pend.shape != (k,) or n_pend.dtype != np.int64:
             raise ValueError(f"continuation: update_counts takes counts float64 (4, {k}) and n_pend int64 ({k},), got "
@@ -507,7 +508,7 @@ class ContinuationModel:
             surv = gaps[0].sf_array(idle)  # elementwise: the same floats as through np.where, at half the work
         horizons = (gaps[0].upper(self.horizon_sigmas), gaps[1].upper(self.horizon_sigmas))
         keep, soft = settle(idle, surv, w_pend, agent, bucket, horizons, counts, n_pend, self.prior, self.end_below,
-                            self.censoring, self.steps)
+                            self.censoring, self.steps, compiled)
         if soft.size < pend.size:
             self._record_many(pend[~keep], 0.0)
             pend, surv = pend[keep], surv[keep]
