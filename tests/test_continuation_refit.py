@@ -167,8 +167,8 @@ def test_the_tier_pays_the_load_time_in_numpy_first(monkeypatch):
     monkeypatch.setattr(refit, "settle_loops", loops)
     monkeypatch.setattr(refit, "settle_numpy", lambda *a: calls.append("numpy") or settle_numpy(*a))
     monkeypatch.setattr(refit, "_spent_us", 0.0)
-    monkeypatch.setattr(refit, "LOAD_US", 3 * refit._NUMPY_US_PER_CALL + 3 * 100 * refit._NUMPY_US_PER_ROW)
-    rows = 100
+    rows = 100  # the load time lies between two and three calls' estimates: the third call is the last in numpy
+    monkeypatch.setattr(refit, "LOAD_US", 2.5 * (refit._NUMPY_US_PER_CALL + rows * refit._NUMPY_US_PER_ROW))
     args = (np.ones(rows), np.full(rows, 0.5), np.zeros(rows), np.zeros(rows, dtype=bool),
             np.ones(rows, dtype=np.int8), (10.0, 10.0), np.zeros((4, 2)), np.array([0, rows]), PRIOR, 0.01, True, 2)
     for _ in range(5):

@@ -59,8 +59,9 @@ arrivals apart, it fires once per typical gap even where arrivals are dense, and
 pending request (README, "Decision time": the cost this has on long traces).
 
 Arithmetic. A refit's settling of the pending requests (which ended, their soft weights, the rates' EM steps) is
-:func:`~sae_env.policies.continuation_refit.settle`: numpy, or the same floats as compiled loops once a process has
-spent their load time in numpy (long traces). The gap survival and the Newton steps stay numpy here.
+:func:`~sae_env.policies.continuation_refit.settle`: numpy, or, under the compiled engine, the same floats as compiled
+loops once the process has spent their load time in numpy (long traces). The gap survival and the Newton steps stay
+numpy here.
 
 Why one piece (~560 lines): the per-turn counts, the pending requests with their soft weights, the labelled buffer and
 the cached feature rows are one state that every arrival, refit and refresh updates together; the hand-over methods

@@ -22,18 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
+# numba is optional, as for the compiled engine: without it (AVAILABLE False, jit the identity) every refit runs numpy
+from sae_env.fast_engine.jit import AVAILABLE, jit
+
 __all__ = ["AVAILABLE", "RATES", "ALIVE", "CONTINUED", "ENDED", "LOAD_US", "settle", "settle_loops", "settle_numpy"]
-
-try:  # optional, as for the compiled engine: without numba every refit runs the numpy form
-    import numba
-
-    AVAILABLE = True
-    _jit = numba.njit(cache=True, nogil=True, boundscheck=False, no_cfunc_wrapper=True)
-except ImportError:  # pragma: no cover - exercised only where numba is not installed
-    AVAILABLE = False
-
-    def _jit(f):
-        return f
 
 RATES, ALIVE, CONTINUED, ENDED = range(4)  # rows of the per-turn counts (float64 [4, turn bucket])
 # Time to load the compiled form from numba's disk cache in a process where numba already runs (measured here: 4.6-4.9
@@ -60,16 +52,14 @@ def settle(idle: np.ndarray, surv: np.ndarray, w_pend: np.ndarray, agent: np.nda
     soft weights. ``compiled``: numba already runs in this process, so the loops may be loaded (module docstring)."""
     global _spent_us
     rows = idle.size
-    if not (compiled and AVAILABLE):
-        return settle_numpy(idle, surv, w_pend, agent, bucket, horizons, counts, n_pend, prior, end_below, censoring,
-                            steps)
-    if _spent_us >= LOAD_US or settle_loops.signatures:
-        keep = np.empty(rows, dtype=np.bool_)
-        soft = np.empty(rows)
-        m = settle_loops(idle, surv, w_pend, agent, bucket, horizons[0], horizons[1], counts, n_pend, prior[0],
-                         prior[1], end_below, censoring, steps, keep, soft)
-        return keep, soft[:m]
-    _spent_us += _NUMPY_US_PER_CALL + _NUMPY_US_PER_ROW * rows
+    if compiled and AVAILABLE:
+        if _spent_us >= LOAD_US or settle_loops.signatures:
+            keep = np.empty(rows, dtype=np.bool_)
+            soft = np.empty(rows)
+            m = settle_loops(idle, surv, w_pend, agent, bucket, horizons[0], horizons[1], counts, n_pend, prior[0],
+                             prior[1], end_below, censoring, steps, keep, soft)
+            return keep, soft[:m]
+        _spent_us += _NUMPY_US_PER_CALL + _NUMPY_US_PER_ROW * rows
     return settle_numpy(idle, surv, w_pend, agent, bucket, horizons, counts, n_pend, prior, end_below, censoring,
                         steps)
 
@@ -85,6 +75,7 @@ def settle_numpy(idle: np.ndarray, surv: np.ndarray, w_pend: np.ndarray, agent: 
     if censoring and end_below > 0 and idle.size:
         r = rates[bucket]
         over |= r * surv < end_below * np.maximum(1.0 - r + r * surv, 1e-300)
+    keep = ~over
     if over.any():
         gone = bucket[over]
         np.subtract.at(alive, gone, w_pend[over])  # one after another, in arrival order (unbuffered)
@@ -93,10 +84,7 @@ def settle_numpy(idle: np.ndarray, surv: np.ndarray, w_pend: np.ndarray, agent: 
         ended += n
         hit = n > 0
         rates[hit] = ((cont + alive + a) / (cont + ended + n_pend + a + b))[hit]
-        keep = ~over
         bucket, surv = bucket[keep], surv[keep]
-    else:
-        keep = ~over
     n_pend[:] = np.bincount(bucket, minlength=k)
     soft = np.zeros(bucket.size)
     alive[:] = 0.0  # the soft weights' sum per turn bucket (of the final weights)
@@ -108,7 +96,7 @@ def settle_numpy(idle: np.ndarray, surv: np.ndarray, w_pend: np.ndarray, agent: 
     return keep, soft
 
 
-@_jit
+@jit
 def settle_loops(idle, surv, w_pend, agent, bucket, horizon_chat, horizon_agent, counts, n_pend, a, b, end_below,
                  censoring, steps, keep, soft):
     """:func:`settle` as loops (compiled where numba is installed): ``keep`` and ``soft`` are filled in (the kept
