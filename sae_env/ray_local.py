@@ -13,7 +13,9 @@ with ``strace -f -e trace=connect,sendto``). :func:`ray_cluster` starts one with
 * a short ``_temp_dir`` under /tmp (Ray's socket paths must stay under 107 bytes; pytest's ``tmp_path`` is too long).
 
 Leftovers: the session folder and the private ``HOME`` (``/tmp/sae-ray-*``, ``/tmp/sae-rayhome-*``) are removed when
-the cluster shuts down, also on SIGTERM (turned into SystemExit while the cluster is up, so that the clean-up runs).
+the cluster shuts down, also on SIGTERM (turned into SystemExit while the cluster is up, so that the clean-up runs;
+taken back from the C handler that ``ray.init`` installs, which aborts the process when one of Ray's threads takes
+the signal, see :func:`_take_back_sigterm`).
 A SIGKILL leaves them behind; each holds an owner file (pid and start time of the process that made it), and the
 next local cluster removes those whose owner is gone (its Ray processes share its fate and are gone too).
 
@@ -125,7 +127,7 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None, temp_di
     old = _set_env({**LOCAL_ENV, "HOME": home})
     started = False
     patched = False
-    old_term = _exit_on_sigterm()
+    term = _exit_on_sigterm()
     try:
         import ray  # after the variables: ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at its first import
         from ray._private import ray_constants
@@ -140,6 +142,7 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None, temp_di
         ray.init(address="local", num_cpus=None if num_cpus is None else int(num_cpus), _temp_dir=session_dir,
                  **options)
         started = True
+        _take_back_sigterm(term)
         os.environ["HOME"] = old["HOME"] if old["HOME"] is not None else home  # the cluster has started
         yield ray
     finally:
@@ -151,8 +154,8 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None, temp_di
         shutil.rmtree(home, ignore_errors=True)
         if own_temp:
             shutil.rmtree(session_dir, ignore_errors=True)
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
+        if term is not None:
+            signal.signal(signal.SIGTERM, term[0])
 
 
 _CLIENT_ATTEMPTS = 3
@@ -299,17 +302,32 @@ def clean_stale_folders(tmp: str = _TMP) -> list[str]:
     return removed
 
 
-def _exit_on_sigterm() -> Any:
+def _exit_on_sigterm() -> tuple[Any, Any] | None:
     """While the cluster is up, SIGTERM raises SystemExit (so that the clean-up runs) instead of ending the process
-    on the spot; returns the previous handler (None when not installed: not the main thread, or a handler is set)."""
+    on the spot; a handler the user set (or SIG_IGN) stays. Returns (the handler before, the one kept while the
+    cluster is up), or None off the main thread (handlers are the main thread's) or when the handler before was set
+    outside Python (nothing to put back)."""
     if threading.current_thread() is not threading.main_thread():
         return None
     previous = signal.getsignal(signal.SIGTERM)
-    if previous not in (signal.SIG_DFL, None):
+    if previous is None:
         return None
 
     def handler(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, handler)
-    return previous
+    keep = handler if previous is signal.SIG_DFL else previous
+    signal.signal(signal.SIGTERM, keep)
+    return previous, keep
+
+
+def _take_back_sigterm(term: tuple[Any, Any] | None) -> None:
+    """Set SIGTERM's handler again after ``ray.init``, which replaced it twice: in Python (``sys.exit``, whatever
+    the user had) and in C, where the driver's core worker installs abseil's failure handler. That one prints a stack
+    and, when the signal lands on one of Ray's threads instead of the main thread, aborts the process (SIGABRT) about
+    a second later unless the main thread has exited by then: no clean-up (ray 2.60, with ``signal.pthread_kill`` to
+    its ``ray_listen_error_messages`` thread; a plain ``kill`` lands there now and then under load). Setting it again
+    puts Python's C handler back: any thread may take the signal, and the main thread runs the Python handler when
+    it next runs Python (a blocking call it is in, such as a long ``time.sleep``, finishes first)."""
+    if term is not None:
+        signal.signal(signal.SIGTERM, term[1])
