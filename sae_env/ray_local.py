@@ -24,8 +24,9 @@ usage-stats switch later too) and restored, with ``HOME``, when it shuts down. `
 as ``ray.init`` returns, and the private folder removed at shutdown.
 
 With ``address`` (``--ray-address`` on the command line) the cluster is the user's: we connect to it, change no
-environment and leave its network settings to whoever runs it. If Ray is already initialised in this process the
-context manager uses that connection and leaves it open.
+environment and leave its network settings to whoever runs it; SIGTERM is taken back as with a local cluster (a
+driver's core worker installs the same C handler), so the connection is shut down. If Ray is already initialised in
+this process the context manager uses that connection and leaves it open.
 
 :func:`head_node` starts the same kind of private cluster as a separate head node (``ray start --head``, with the
 same variables and ``HOME`` arrangement) that serves Ray Client on loopback: what a test of ``--ray-address
@@ -108,11 +109,16 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None, temp_di
 
         if not isinstance(address, str) or not address:
             raise ValueError(f"ray address must be a non-empty string such as 'ray://host:10001', got {address!r}")
-        _connect(ray, address, init_options)
+        term = _exit_on_sigterm()
         try:
+            _connect(ray, address, init_options)
+            _take_back_sigterm(term)
             yield ray
         finally:
-            ray.shutdown()
+            if ray.is_initialized():
+                ray.shutdown()
+            if term is not None:
+                signal.signal(signal.SIGTERM, term[0])
         return
 
     if temp_dir is not None and len(str(temp_dir)) > _MAX_TEMP_DIR:

@@ -80,3 +80,30 @@ def test_ray_client_sends_nothing_off_the_machine(tmp_path):
     assert inet, "no TCP/UDP connection at all: strace did not see Ray"
     remote = [a for a in inet if "127.0.0.1" not in a and '"::1"' not in a]
     assert remote == [], f"connections off the machine: {sorted(set(remote))[:5]}"
+
+
+# ray.init replaces SIGTERM's handler with its own sys.exit (and, for a driver with a core worker, a C handler that
+# can abort the process); ray_cluster takes it back on a user's cluster as on a local one.
+HANDLERS = textwrap.dedent("""
+    import signal
+    from sae_env.ray_local import head_node, ray_cluster
+
+    def mine(signum, frame):
+        pass
+
+    def name(h):
+        return "mine" if h is mine else h.__qualname__ if callable(h) else signal.Handlers(h).name
+
+    with head_node(num_cpus=1) as address:
+        for before in (signal.SIG_DFL, mine):
+            signal.signal(signal.SIGTERM, before)
+            with ray_cluster(address=address):
+                during = signal.getsignal(signal.SIGTERM)
+            print(name(before), name(during), name(signal.getsignal(signal.SIGTERM)))
+""")
+
+
+def test_sigterm_handler_on_a_users_cluster():
+    proc = subprocess.run([sys.executable, "-c", HANDLERS], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-2:] == ["SIG_DFL _exit_on_sigterm.<locals>.handler SIG_DFL", "mine mine mine"]
