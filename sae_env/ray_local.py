@@ -131,7 +131,7 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None, temp_di
     own_temp = temp_dir is None
     session_dir = own_folder(_SESSION_PREFIX) if own_temp else str(temp_dir)
     old = _set_env({**LOCAL_ENV, "HOME": home})
-    started = False
+    ray = None
     patched = False
     term = _exit_on_sigterm()
     try:
@@ -147,19 +147,18 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None, temp_di
             options["object_store_memory"] = int(object_store_memory)
         ray.init(address="local", num_cpus=None if num_cpus is None else int(num_cpus), _temp_dir=session_dir,
                  **options)
-        started = True
         _take_back_sigterm(term)
         os.environ["HOME"] = old["HOME"] if old["HOME"] is not None else home  # the cluster has started
         yield ray
     finally:
-        if started:
+        if ray is not None:  # also when ray.init stopped half-way (a SIGTERM in it): the processes it started go
             ray.shutdown()
         if patched:
             ray_constants.ENABLE_RAY_CLUSTER = True
         _set_env(old)
-        shutil.rmtree(home, ignore_errors=True)
+        _remove(home)
         if own_temp:
-            shutil.rmtree(session_dir, ignore_errors=True)
+            _remove(session_dir)
         if term is not None:
             signal.signal(signal.SIGTERM, term[0])
 
@@ -239,8 +238,8 @@ def head_node(num_cpus: int | None = None, client_port: int | None = None, num_g
         yield f"ray://127.0.0.1:{client_port}"
     finally:
         _stop_group(proc)
-        shutil.rmtree(home, ignore_errors=True)
-        shutil.rmtree(session_dir, ignore_errors=True)
+        _remove(home)
+        _remove(session_dir)
 
 
 def _stop_group(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
@@ -302,10 +301,55 @@ def clean_stale_folders(tmp: str = _TMP) -> list[str]:
             alive = _process_start(int(pid))
         except (OSError, ValueError):
             continue  # no owner file (not ours, or being made this instant): leave it
-        if alive is None or (alive != start and "?" not in (alive, start)):
-            shutil.rmtree(folder, ignore_errors=True)
+        # one pass: its owner is gone, and its Ray processes with it, so nothing writes there any more
+        if (alive is None or (alive != start and "?" not in (alive, start))) and _remove(str(folder), tries=1):
             removed.append(str(folder))
     return removed
+
+
+def _remove(folder: str, tries: int = 20, pause_s: float = 0.05) -> bool:
+    """Remove a folder that :func:`own_folder` made, its owner file last; returns whether it is gone.
+
+    Ray's processes that are still ending (a worker whose raylet has just gone) may write into it meanwhile, so a
+    pass that leaves something is tried again, ``tries`` times ``pause_s`` apart; a folder still there keeps its
+    owner file, with which the next local cluster removes it once this process is gone (without it, it would stay
+    for good)."""
+    path = Path(folder)
+    owner = path / _OWNER
+    try:
+        mark = owner.read_text()
+    except OSError:
+        mark = None
+    for attempt in range(tries):
+        if attempt:
+            time.sleep(pause_s)
+        try:
+            entries = [e for e in path.iterdir() if e.name != _OWNER]
+        except FileNotFoundError:
+            return True
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                try:
+                    entry.unlink(missing_ok=True)
+                except OSError:
+                    pass
+        try:
+            owner.unlink(missing_ok=True)
+            path.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:  # something new in it: mark it again and go on
+            if mark is not None:
+                try:
+                    owner.write_text(mark)
+                except OSError:
+                    pass
+    return False
 
 
 def _exit_on_sigterm() -> tuple[Any, Any] | None:
