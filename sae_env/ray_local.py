@@ -50,7 +50,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HEAD_ENV", "LOCAL_ENV", "clean_stale_folders", "head_node", "own_folder", "ray_cluster"]
+__all__ = ["HEAD_ENV", "LOCAL_ENV", "clean_stale_folders", "head_node", "own_folder", "ray_cluster", "remove_folder"]
 
 # The environment a private local cluster starts with (see the module docstring).
 LOCAL_ENV: dict[str, str] = {
@@ -156,9 +156,9 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None, temp_di
         if patched:
             ray_constants.ENABLE_RAY_CLUSTER = True
         _set_env(old)
-        _remove(home)
+        remove_folder(home)
         if own_temp:
-            _remove(session_dir)
+            remove_folder(session_dir)
         if term is not None:
             signal.signal(signal.SIGTERM, term[0])
 
@@ -238,8 +238,8 @@ def head_node(num_cpus: int | None = None, client_port: int | None = None, num_g
         yield f"ray://127.0.0.1:{client_port}"
     finally:
         _stop_group(proc)
-        _remove(home)
-        _remove(session_dir)
+        remove_folder(home)
+        remove_folder(session_dir)
 
 
 def _stop_group(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
@@ -302,12 +302,12 @@ def clean_stale_folders(tmp: str = _TMP) -> list[str]:
         except (OSError, ValueError):
             continue  # no owner file (not ours, or being made this instant): leave it
         # one pass: its owner is gone, and its Ray processes with it, so nothing writes there any more
-        if (alive is None or (alive != start and "?" not in (alive, start))) and _remove(str(folder), tries=1):
+        if (alive is None or (alive != start and "?" not in (alive, start))) and remove_folder(str(folder), tries=1):
             removed.append(str(folder))
     return removed
 
 
-def _remove(folder: str, tries: int = 20, pause_s: float = 0.05) -> bool:
+def remove_folder(folder: str, tries: int = 20, pause_s: float = 0.05) -> bool:
     """Remove a folder that :func:`own_folder` made, its owner file last; returns whether it is gone.
 
     Ray's processes that are still ending (a worker whose raylet has just gone) may write into it meanwhile, so a

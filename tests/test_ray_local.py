@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from sae_env.ray_local import _remove, clean_stale_folders, own_folder
+from sae_env.ray_local import clean_stale_folders, own_folder, remove_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 # A signal that the main thread takes interrupts its sleep; one that one of Ray's threads takes is handled when the
@@ -172,7 +172,7 @@ def test_a_folder_written_into_while_it_goes_is_removed_or_keeps_its_owner():
         (folder / "session" / "logs" / "raylet.out").write_text("x")
         writer = _writer(folder)
         try:
-            if _remove(str(folder), tries=1):
+            if remove_folder(str(folder), tries=1):
                 assert not folder.exists()
             else:
                 lost += 1
@@ -180,14 +180,14 @@ def test_a_folder_written_into_while_it_goes_is_removed_or_keeps_its_owner():
         finally:
             writer.kill()
             writer.wait()
-        assert _remove(str(folder)) and not folder.exists()  # the writer gone, it goes
+        assert remove_folder(str(folder)) and not folder.exists()  # the writer gone, it goes
     assert lost  # the race was there to lose
 
     folder = Path(own_folder("sae-ray-"))
     writer = _writer(folder)
     threading.Timer(0.2, writer.kill).start()  # a writer that ends while the removal tries again
     try:
-        assert _remove(str(folder), tries=100, pause_s=0.02) and not folder.exists()
+        assert remove_folder(str(folder), tries=100, pause_s=0.02) and not folder.exists()
     finally:
         writer.kill()
         writer.wait()
