@@ -39,7 +39,7 @@ SERVER = "qwen2.5-1.5b@a40"
 ALL_OFF = {"type_weights": False, "adaptive_alpha": False, "lognormal": False, "position_decay": False,
            "multi_queue": False, "predictor": False, "continuation": False, "density": False}
 SWITCHES = ("type_weights", "adaptive_alpha", "lognormal", "position_decay", "multi_queue", "continuation", "density",
-            "continuation_features", "pe_routing")
+            "continuation_features", "pe_routing", "hit_value")
 T = TokenType
 
 
@@ -779,6 +779,61 @@ def test_density_priority_matches_a_direct_computation():
         if q == ST:
             want *= 1 - x ** PARAMS["gamma"]
         assert policy.priority(b, now) == pytest.approx(want, rel=1e-6), (q, t, dt)
+
+
+def test_the_value_context_is_the_models_linear_over_attention_flops():
+    """First principles, not a fit: a block's FLOPs per token are ``2 N`` in the linear layers (N: Qwen2.5-1.5B's
+    non-embedding parameters) plus ``4 L d`` per token of context (L layers, d the attention width), so its
+    recompute costs twice the start-of-prompt cost at ``N / (2 L d)`` tokens of context."""
+    assert saecache._VALUE_CONTEXT == pytest.approx(1_310_340_608 / (2 * 28 * 1536), rel=1e-12)
+    assert 15_000 < saecache._VALUE_CONTEXT < 15_500
+
+
+def test_hit_value_weighs_the_density_by_the_blocks_value_bin():
+    """Under hit_value a chat or agent block's priority is its hit density times the centre of its value bin,
+    ``2 ** ((k + 0.5) / 4)`` with ``k = floor(4 log2(1 + context / _VALUE_CONTEXT))`` (the context: the tokens before
+    the block), computed here apart from the policy; without it, the density alone."""
+    now, slot = 500.0, 20
+    plain, valued = SAECachePolicy(params=PARAMS), SAECachePolicy(params=PARAMS, hit_value=True)
+    valued._block_size = 16
+    seen = set()
+    for depth in (0, 100, 181, 182, 1000, 4000, 20000):
+        k = math.floor(4 * math.log2(1 + depth * 16 / saecache._VALUE_CONTEXT))
+        assert valued._value_bin_of(depth) == k
+        seen.add(k)
+        b = block(CH, T.USER, now - 30.0)
+        b.depth = depth
+        b.pdata = CH * 8 + saecache._SLOT * slot
+        base = plain.priority(b, now)
+        b.pdata += saecache._VALUE_STRIDE * k
+        assert valued.priority(b, now) == pytest.approx(base * 2 ** ((k + 0.5) / 4), rel=1e-12)
+    assert len(seen) >= 5  # the depths span several bins
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_hit_value_victims_are_exact_across_value_bins(seed, monkeypatch):
+    """With a value context of 8 tokens the tiny traces' blocks spread over many value bins (groups): the victim is
+    still the exact least (PE flag, value x density, stamp) over every evictable block, and the bins change
+    decisions (against hit_value off)."""
+    monkeypatch.setattr(saecache, "_VALUE_CONTEXT", 8.0)
+    tr = tiny(seed)
+    n, differ, bins = 0, 0, set()
+    for cap in CAPACITIES:
+        r, a = run(tr, cap, window_requests=25, strict_temporal=True, hit_value=True)
+        n += a.temporal_evictions
+        bins |= {g // saecache._VALUE_STRIDE for g in r.policy._lists}
+        _, b = run(tr, cap, window_requests=25, hit_value=False)
+        differ += a.victims != b.victims
+    assert n > 500 and differ and len(bins) >= 5
+
+
+def test_hit_value_runs_on_the_python_engine():
+    """The compiled twin has no value bins: a replay with hit_value says why and runs the Python engine."""
+    trace = tiny(0)
+    r = Replay(trace, PrefixCache(10, make_policy("saecache", hit_value=True)))
+    assert r.engine == "python" and "hit_value" in r.fast_reason
+    with pytest.raises(ValueError, match="hit_value"):
+        Replay(trace, PrefixCache(10, make_policy("saecache", hit_value=True)), engine="fast")
 
 
 def test_continuation_routing():

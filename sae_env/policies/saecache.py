@@ -28,16 +28,16 @@ real sessions the queues collapse into one or two groups and the paper's ranking
 default. What differs from the paper, and why, is in the README ("SAECache"). The type weights, queue weights and
 position decay are off by default: under the hit density they did not help on real traces (configs/ablation.yaml).
 
-Victim selection. Unpinned blocks belong to one recency list per group, in release order (vLLM's free-queue order):
-a group is (queue, type when ``type_weights``, continuation bin), the bin being ``logit p`` rounded to ``LOGIT_BIN``, so
-that every block of a group shares one score function of its idle time. Under the paper's ranking that function
-falls with idle time, so a group's minimum is its least recently released leaf; under the hit density it rises,
-then falls (quasi-concave, tested), so the minimum is its least or most recently released leaf: two candidates per
-group. In a structural group the offset may also matter (position decay), so the first ``sample`` leaves from its
-head are candidates (Redis / LRB-style sampling); tests measure how often this differs from the exact argmin over
-all evictable blocks. Only leaves are evictable: an inner node (a shared system prompt stays one for as long as any
-session hangs below it) is parked aside, and when its last child goes it returns to its group through small heaps
-ordered by its release stamp, so the group's order stays exact.
+Victim selection. Unpinned blocks belong to one recency list per group, in release order (vLLM's free-queue order): a
+group is (queue, type when ``type_weights``, continuation bin, value bin when ``hit_value``), the continuation bin
+being ``logit p`` rounded to ``LOGIT_BIN``, so that every block of a group shares one score function of its idle time.
+Under the paper's ranking that function falls with idle time, so a group's minimum is its least recently released
+leaf; under the hit density it rises, then falls (quasi-concave, tested), so the minimum is its least or most recently
+released leaf: two candidates per group. In a structural group the offset may also matter (position decay), so the
+first ``sample`` leaves from its head are candidates (Redis / LRB-style sampling); tests measure how often this
+differs from the exact argmin over all evictable blocks. Only leaves are evictable: an inner node (a shared system
+prompt stays one for as long as any session hangs below it) is parked aside, and when its last child goes it returns
+to its group through small heaps ordered by its release stamp, so the group's order stays exact.
 
 Cost. A request acquires and releases its whole hit prefix (hundreds of blocks, nearly all inner nodes), so that
 path does almost nothing per block: acquiring is free (a pinned block's list entry is just dead until its release
@@ -60,7 +60,10 @@ Switches (ablations): ``continuation`` (off: p = 1, no continuation model), ``de
 counts), ``timed_refit`` (off: the continuation model refits by the count of arrivals alone, so where they thin out its
 soft weights and ended labels stay as they were at its last refit), ``posterior_end`` (off: a pending session counts as
 ended only once idle past the horizon, not already once the posterior that it is alive is below 1 %), ``pe_routing``
-(on: requests with p below ``continue_threshold`` go to PE), ``type_weights`` (off: w = 1), ``adaptive_alpha`` (off:
+(on: requests with p below ``continue_threshold`` go to PE), ``hit_value`` (on: a chat or agent block's density is
+weighed by what a hit on it saves, the prefill FLOPs of recomputing it, ``1 + context / _VALUE_CONTEXT`` under the
+roofline, binned in quarter octaves; for TTFT on long prompts, at some cost in token hits; no compiled engine),
+``type_weights`` (off: w = 1), ``adaptive_alpha`` (off:
 alpha = 1), ``lognormal`` (off: exponential gaps), ``position_decay`` (off: no offset term), ``multi_queue`` (off: one
 temporal queue, no PE priority), ``predictor`` (the paper's ranking: off routes first requests by rule only; under the
 continuation model a predictor is one of its features). With every switch off the policy evicts in LRU order (a test
@@ -88,9 +91,11 @@ from typing import Any
 import numpy as np
 
 from sae_env.block import TYPE_SLOTS, Block, split_queue_type
-from sae_env.policies.arrivals import AG, CH, N_QUEUES, PE, QUEUES, ST, Arrivals, Predictor, slot_p
+from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, QUEUES, ST, Arrivals, Predictor, slot_p
 from sae_env.policies.base import EvictionPolicy, ParamSpec, block_array
 from sae_env.policies.survival import ExponentialGaps, LognormalGaps
+from sae_env.serving.hardware import GPUS, MODELS
+from sae_env.serving.roofline import RooflineCost
 from sae_env.trace import N_TOKEN_TYPES, TokenType, Trace
 
 __all__ = ["AG", "CH", "GROUP_SLOT", "PAPER", "PARAM_SPECS", "PE", "QUEUES", "ST", "Predictor", "SAECachePaperPolicy",
@@ -101,6 +106,13 @@ _STRUCTURAL_TYPES = (TokenType.SYSTEM, TokenType.TEMPLATE)
 _COMPACT_MIN = 1 << 18  # released blocks before the first compaction of the recency lists (a few MB of entries)
 _CONSTANT, _LOGNORMAL, _EXPONENTIAL, _POSITION, _DENSITY = range(5)  # kinds of ranking term (see _constants)
 GROUP_SLOT = _SLOT = 64  # group id = queue_type_code(queue, type) + _SLOT * slot: the code fits below _SLOT
+# Under ``hit_value`` a chat or agent group also carries its blocks' value bin: group id + _VALUE_STRIDE * bin.
+_VALUE_STRIDE = _SLOT * (N_SLOTS + 1)
+_VALUE_BINS_PER_OCTAVE = 4  # value bins a factor 2 ** (1 / 4) = 1.19 wide: a block's value is within 9 % of its bin's
+# The context (tokens before a block) at which recomputing the block costs twice what it costs at the start of a
+# prompt: FLOPs per token in the linear layers over FLOPs per (query, key) pair, of the paper's model (Qwen2.5-1.5B;
+# 15,234 tokens). The attention term grows with the context, the linear one does not (the prefill roofline).
+_VALUE_CONTEXT = (lambda t: t[0] / t[1])(RooflineCost(MODELS["qwen2.5-1.5b"], GPUS["a40"]).terms())
 _ST_GROUPS = tuple(range(ST * TYPE_SLOTS, (ST + 1) * TYPE_SLOTS))  # the structural groups (no continuation bin)
 _REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)  # plain ints: enum lookups cost more
 
@@ -152,7 +164,8 @@ class SAECachePolicy(EvictionPolicy):
                  position_decay: bool = False, multi_queue: bool = True, predictor: Predictor | bool | None = None,
                  continuation: bool = True, density: bool = True, continuation_features: bool = True,
                  censoring: bool = True, timed_refit: bool = True, posterior_end: bool = True,
-                 pe_routing: bool = False, continue_threshold: float = 0.5, sample: int = 8, min_dt: float = 1e-3,
+                 pe_routing: bool = False, hit_value: bool = False, continue_threshold: float = 0.5, sample: int = 8,
+                 min_dt: float = 1e-3,
                  refit_steps: int = 2, refit_growth: float = 0.5, params: dict[str, float] | None = None) -> None:
         super().__init__()
         if sample < 1:
@@ -162,7 +175,8 @@ class SAECachePolicy(EvictionPolicy):
         flags = {"type_weights": type_weights, "adaptive_alpha": adaptive_alpha, "lognormal": lognormal,
                  "position_decay": position_decay, "multi_queue": multi_queue, "continuation": continuation,
                  "density": density, "continuation_features": continuation_features, "censoring": censoring,
-                 "timed_refit": timed_refit, "posterior_end": posterior_end, "pe_routing": pe_routing}
+                 "timed_refit": timed_refit, "posterior_end": posterior_end, "pe_routing": pe_routing,
+                 "hit_value": hit_value}
         for name, value in flags.items():  # bool("false") is True: a typo must not flip a switch on silently
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"saecache: {name} must be true or false, got {value!r}")
@@ -172,6 +186,9 @@ class SAECachePolicy(EvictionPolicy):
         self._st_groups = _ST_GROUPS if self._typed else _ST_GROUPS[:1]  # untyped: one structural group
         self._continuation, self._density = self.switches["continuation"], self.switches["density"]
         self._decay = self.switches["position_decay"]
+        self._valued = self.switches["hit_value"]
+        self._value_bin: list[int] = []  # depth -> value bin (hit_value), grown as deeper blocks are released
+        self._block_size = 1
         # Structural groups are sampled where a block's offset weighs its score (the paper's position decay);
         # otherwise every block of a group shares one score function of idle time, as in the temporal groups,
         # and they are kept like them (leaves listed, oldest and newest candidates).
@@ -253,7 +270,7 @@ class SAECachePolicy(EvictionPolicy):
             sw = self.switches
             q, t = split_queue_type(g % _SLOT)
             if self._density and q != PE:
-                p = self.arrivals.p_structural if q == ST else slot_p(g // _SLOT)
+                p = self.arrivals.p_structural if q == ST else slot_p(g // _SLOT % (N_SLOTS + 1))
                 kind, c1, c2 = _DENSITY, self._gaps[q], p
             elif q == CH or q == AG:
                 mu, sigma = self._ln[q]
@@ -264,8 +281,22 @@ class SAECachePolicy(EvictionPolicy):
             else:
                 kind, c1, c2 = _CONSTANT, 0.0, 0.0
             flag = 0 if (q == PE and sw["multi_queue"]) else 1
-            c = self._consts[g] = (flag, kind, c1, c2, self._alpha[q] * self._w[t])
+            coef = self._alpha[q] * self._w[t]
+            if self._valued and (q == CH or q == AG):  # the value bin's geometric centre (structural blocks, at
+                coef *= 2.0 ** ((g // _VALUE_STRIDE + 0.5) / _VALUE_BINS_PER_OCTAVE)  # the prompts' start: 1)
+            c = self._consts[g] = (flag, kind, c1, c2, coef)
         return c
+
+    def _value_bin_of(self, depth: int) -> int:
+        """The value bin of a block at ``depth`` (hit_value): ``floor(4 log2(1 + context / _VALUE_CONTEXT))``, the
+        context being the tokens before it. A hit saves recomputing the block, whose FLOPs per token are the
+        linear layers' plus attention over its context: ``1 + context / _VALUE_CONTEXT`` times those of a block at
+        the start of a prompt."""
+        bins = self._value_bin
+        while len(bins) <= depth:
+            context = len(bins) * self._block_size
+            bins.append(int(_VALUE_BINS_PER_OCTAVE * math.log2(1.0 + context / _VALUE_CONTEXT)))
+        return bins[depth]
 
     def _rank(self, kind: int, c1: Any, c2: Any, dt: float, b: Block) -> float:
         """The ranking term of block ``b`` idle ``dt`` seconds, before ``alpha_q * w_type``; lowest goes first."""
@@ -286,6 +317,8 @@ class SAECachePolicy(EvictionPolicy):
         if self._window_t0 is None:
             self._window_t0 = now
         q, slot, refit, structural = arrivals.arrive(trace, i, now)  # binds the trace first if it is new
+        if trace.block_size != self._block_size:  # the value bins (hit_value) count tokens of this trace's blocks
+            self._block_size, self._value_bin = trace.block_size, []
         if refit:
             self._refit(now)
         self._inflight[i] = (q, slot)
@@ -366,11 +399,12 @@ class SAECachePolicy(EvictionPolicy):
           and which blocks those are depends on where the inner nodes sit, so an inner node is parked only when a
           scan meets it (see _structural_candidates).
 
-        A chat or agent block's group carries the releasing request's continuation bin (``pdata``).
+        A chat or agent block's group carries the releasing request's continuation bin (``pdata``) and, under
+        ``hit_value``, the value bin of its depth.
         """
         self._flush()
         self._stale = True
-        tw = self._typed
+        tw, valued = self._typed, self._valued
         slot = self._slot * _SLOT
         seq = self._released
         dirty = self._dirty
@@ -383,6 +417,8 @@ class SAECachePolicy(EvictionPolicy):
             g = q * TYPE_SLOTS + (b.type if tw else 0)  # queue_type_code, inlined on the hottest loop
             if q == CH or q == AG:
                 g += slot
+                if valued:
+                    g += _VALUE_STRIDE * self._value_bin_of(b.depth)
                 b.pdata = g
             if not b.n_children or (q == ST and st_sampled):
                 if g != last_g:  # a request's blocks come in long runs of one group: one lookup per run
