@@ -109,12 +109,20 @@ GROUP_SLOT = _SLOT = 64  # group id = queue_type_code(queue, type) + _SLOT * slo
 # Under ``hit_value`` a chat or agent group also carries its blocks' value bin: group id + _VALUE_STRIDE * bin.
 _VALUE_STRIDE = _SLOT * (N_SLOTS + 1)
 _VALUE_BINS_PER_OCTAVE = 4  # value bins a factor 2 ** (1 / 4) = 1.19 wide: a block's value is within 9 % of its bin's
-# The context (tokens before a block) at which recomputing the block costs twice what it costs at the start of a
-# prompt: FLOPs per token in the linear layers over FLOPs per (query, key) pair, of the paper's model (Qwen2.5-1.5B;
-# 15,234 tokens). The attention term grows with the context, the linear one does not (the prefill roofline).
-_VALUE_CONTEXT = (lambda t: t[0] / t[1])(RooflineCost(MODELS["qwen2.5-1.5b"], GPUS["a40"]).terms())
 _ST_GROUPS = tuple(range(ST * TYPE_SLOTS, (ST + 1) * TYPE_SLOTS))  # the structural groups (no continuation bin)
 _REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)  # plain ints: enum lookups cost more
+
+
+def _value_context(model: str = "qwen2.5-1.5b") -> float:
+    """The context (tokens before a block) at which recomputing the block costs twice what it costs at the start of a
+    prompt: FLOPs per token in the linear layers over FLOPs per (query, key) pair (the prefill roofline's terms; the
+    GPU does not enter the ratio). The attention term grows with the context, the linear one does not."""
+    lin, pair = RooflineCost(MODELS[model], GPUS["a40"]).terms()[:2]
+    return lin / pair
+
+
+_VALUE_CONTEXT = _value_context()  # the paper's model, Qwen2.5-1.5B: 15,234 tokens
+
 
 PARAM_SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("alpha_st", 0.05, 20.0, 1.0, log=True, doc="queue weight, structural"),
@@ -165,8 +173,8 @@ class SAECachePolicy(EvictionPolicy):
                  continuation: bool = True, density: bool = True, continuation_features: bool = True,
                  censoring: bool = True, timed_refit: bool = True, posterior_end: bool = True,
                  pe_routing: bool = False, hit_value: bool = False, continue_threshold: float = 0.5, sample: int = 8,
-                 min_dt: float = 1e-3,
-                 refit_steps: int = 2, refit_growth: float = 0.5, params: dict[str, float] | None = None) -> None:
+                 min_dt: float = 1e-3, refit_steps: int = 2, refit_growth: float = 0.5,
+                 params: dict[str, float] | None = None) -> None:
         super().__init__()
         if sample < 1:
             raise ValueError(f"saecache: sample must be >= 1, got {sample}")
