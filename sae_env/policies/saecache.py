@@ -278,7 +278,7 @@ class SAECachePolicy(EvictionPolicy):
             sw = self.switches
             q, t = split_queue_type(g % _SLOT)
             if self._density and q != PE:
-                p = self.arrivals.p_structural if q == ST else slot_p(g // _SLOT % (N_SLOTS + 1))
+                p = self.arrivals.p_structural if q == ST else slot_p(g % _VALUE_STRIDE // _SLOT)
                 kind, c1, c2 = _DENSITY, self._gaps[q], p
             elif q == CH or q == AG:
                 mu, sigma = self._ln[q]
@@ -325,7 +325,7 @@ class SAECachePolicy(EvictionPolicy):
         if self._window_t0 is None:
             self._window_t0 = now
         q, slot, refit, structural = arrivals.arrive(trace, i, now)  # binds the trace first if it is new
-        if trace.block_size != self._block_size:  # the value bins (hit_value) count tokens of this trace's blocks
+        if self._valued and trace.block_size != self._block_size:  # value bins count tokens of this trace's blocks
             self._block_size, self._value_bin = trace.block_size, []
         if refit:
             self._refit(now)
