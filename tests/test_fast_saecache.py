@@ -11,6 +11,8 @@ run fall back to the Python engine with the reason.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -22,7 +24,7 @@ from sae_env import data
 from sae_env.cache import PrefixCache
 from sae_env.fast_engine import treap
 from sae_env.fast_engine.twin import twin_class
-from sae_env.policies import make_policy
+from sae_env.policies import make_policy, saecache
 from sae_env.replay import Replay
 from sae_env.serving import make_server
 from sae_env.sources import open_trace
@@ -33,7 +35,7 @@ pytest.importorskip("numba")
 
 # Switches the twin runs besides the default (the rest of the Arrivals' switches need nothing of the kernel).
 FREE = ("type_weights", "adaptive_alpha", "multi_queue", "continuation", "continuation_features", "censoring",
-        "timed_refit", "posterior_end", "pe_routing")
+        "timed_refit", "posterior_end", "pe_routing", "hit_value")
 switches = st.fixed_dictionaries({}, optional={k: st.booleans() for k in FREE})
 # The paper's ranking (saecache-paper: density off, sampled structural groups, position decay on) and its switches.
 paper_switches = st.fixed_dictionaries({}, optional={**{k: st.booleans() for k in (*FREE, "position_decay")},
@@ -98,6 +100,32 @@ def test_session_traces_agree(trace, capacity, window, ghosts, outputs, options)
     py, fast = both(trace, capacity, options=options, window_requests=window, ghost_capacity=ghosts,
                     cache_outputs=outputs)
     assert_same_windows(py, fast)
+
+
+@settings(max_examples=40, deadline=None, report_multiple_bugs=False)
+@given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 7),
+       timed=st.booleans(), options=switches)
+def test_value_bins_agree(trace, capacity, window, timed, options):
+    """hit_value with the value context patched to 8 tokens, so that these short prompts spread over many value bins
+    (at the model's 15,234 tokens they all sit in bin 0): the groups carry the bin, the scores its weight, on both
+    engines, instant and timed."""
+    with mock.patch.object(saecache, "_VALUE_CONTEXT", 8.0):
+        py, fast = both(trace, capacity, {"preset": SERVER, "token_budget": 16} if timed else None,
+                        options={**options, "hit_value": True}, window_requests=window)
+        assert_same_windows(py, fast)
+        assert fast.policy.switches["hit_value"]
+
+
+@pytest.mark.parametrize("trace_name", ["mooncake_arxiv", "mooncake_synthetic", "wildchat"])
+def test_embedded_real_traces_agree_with_value_bins(trace_name):
+    """Real prompt lengths under hit_value at the model's own value context: Mooncake's long prompts reach bins 4-8."""
+    trace = real(trace_name, 600)
+    for fraction in (0.02, 0.1):
+        py, fast = both(trace, max(1, int(fraction * trace.distinct_blocks())), options={"hit_value": True},
+                        window_requests=200)
+        assert_same_windows(py, fast)
+    if trace_name != "wildchat":
+        assert len({g // saecache.VALUE_STRIDE for g in py.policy._lists}) >= 3
 
 
 @settings(max_examples=30, deadline=None, report_multiple_bugs=False)
@@ -367,7 +395,8 @@ def test_treap_orders_slots_like_a_sorted_list(ops, probes):
 
 def test_auto_takes_the_compiled_engine_for_the_default_and_the_paper_and_falls_back_for_the_rest():
     trace = real("wildchat", 50)
-    for name, options in (("saecache", {}), ("saecache-paper", {}), ("saecache", {"density": False})):
+    for name, options in (("saecache", {}), ("saecache-paper", {}), ("saecache", {"density": False}),
+                          ("saecache", {"hit_value": True})):
         assert Replay(trace, PrefixCache(20, make_policy(name, **options))).engine == "fast"
     for name, options, words in (("saecache-paper", {"lognormal": False}, "exponential"),
                                  ("saecache", {"lognormal": False}, "exponential"),

@@ -805,7 +805,7 @@ def test_hit_value_weighs_the_density_by_the_blocks_value_bin():
         b.depth = depth
         b.pdata = CH * 8 + saecache._SLOT * slot
         base = plain.priority(b, now)
-        b.pdata += saecache._VALUE_STRIDE * k
+        b.pdata += saecache.VALUE_STRIDE * k
         assert valued.priority(b, now) == pytest.approx(base * 2 ** ((k + 0.5) / 4), rel=1e-12)
     assert len(seen) >= 5  # the depths span several bins
 
@@ -821,19 +821,10 @@ def test_hit_value_victims_are_exact_across_value_bins(seed, monkeypatch):
     for cap in CAPACITIES:
         r, a = run(tr, cap, window_requests=25, strict_temporal=True, hit_value=True)
         n += a.temporal_evictions
-        bins |= {g // saecache._VALUE_STRIDE for g in r.policy._lists}
+        bins |= {g // saecache.VALUE_STRIDE for g in r.policy._lists}
         _, b = run(tr, cap, window_requests=25, hit_value=False)
         differ += a.victims != b.victims
     assert n > 500 and differ and len(bins) >= 5
-
-
-def test_hit_value_runs_on_the_python_engine():
-    """The compiled twin has no value bins: a replay with hit_value says why and runs the Python engine."""
-    trace = tiny(0)
-    r = Replay(trace, PrefixCache(10, make_policy("saecache", hit_value=True)))
-    assert r.engine == "python" and "hit_value" in r.fast_reason
-    with pytest.raises(ValueError, match="hit_value"):
-        Replay(trace, PrefixCache(10, make_policy("saecache", hit_value=True)), engine="fast")
 
 
 def test_continuation_routing():

@@ -59,10 +59,21 @@ from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QU
 from sae_env.fast_engine.treap import GROUP, STAMP, WHERE
 from sae_env.fast_engine.twin import Twin, register
 from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, ST, slot_p
-from sae_env.policies.saecache import GROUP_SLOT, SAECachePaperPolicy, SAECachePolicy, gap_models, window_stats
+from sae_env.policies.saecache import (
+    GROUP_SLOT,
+    VALUE_STRIDE,
+    SAECachePaperPolicy,
+    SAECachePolicy,
+    gap_models,
+    value_bins,
+    value_weight,
+    window_stats,
+)
 from sae_env.trace import TokenType
 
-N_GROUPS = GROUP_SLOT * (N_SLOTS + 1)
+# Groups of one value bin (hit_value: group id + N_GROUPS * bin, as the policy's VALUE_STRIDE; off: bin 0 only).
+N_GROUPS = VALUE_STRIDE
+assert N_GROUPS == GROUP_SLOT * (N_SLOTS + 1)
 _REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)
 _TYPES = 8  # TYPE_SLOTS: queue_type_code = queue * 8 + type
 _TINY = 1e-300
@@ -77,9 +88,10 @@ BOUND_MARGIN = 1.0 - 1e-6
 # epoch, blocks inserted since the last turnover estimate, whether the window's start / the insertion rate / the
 # horizon are known, multi_queue, type_weights, the request context (prompt and output queue, bin, prompt blocks,
 # reasoning output), then the ranking's switches: the hit density, sampled structural groups, position decay; last, the
-# group a scan chose last (scanned first: the least score found early lets the bounds skip more groups; -1: none).
+# group a scan chose last (scanned first: the least score found early lets the bounds skip more groups; -1: none),
+# whether a chat or agent block's group carries its value bin (hit_value).
 SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
-    MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G = range(23)
+    MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED = range(24)
 # Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
 # structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity,
 # the position decay's power gamma.
@@ -119,7 +131,8 @@ class SAEState(NamedTuple):
     gf: np.ndarray  # float64 [G_SCORE | G_NOW | G_LB | G_UNTIL | G_CLB + 0 .. 2 | G_CUNTIL + 0 .. 2, group]
     slotp: np.ndarray  # float64 per bin: the continuation probability it stands for
     gaps: np.ndarray  # float64 [queue, (mu, sigma sqrt 2, mean, mu + sigma^2)]
-    coef: np.ndarray  # float64 per queue-type code: alpha_q * w_type
+    coef: np.ndarray  # float64 per value bin and queue-type code (bin * GROUP_SLOT + code): alpha_q * w_type * value
+    vbin: np.ndarray  # int32 per depth: the value bin of a block there (hit_value; [0] when off)
     root: np.ndarray  # int64 [1]: the treap's root (sae_env.fast_engine.treap)
     qn: np.ndarray  # int64 [Q_HITS | Q_OCC, queue]
     # Sampled structural groups (the paper's ranking, or position decay): see _walk.
@@ -306,8 +319,8 @@ def _bound(mu, s2, mean, p, horizon, s_now, s_end, alive, dt_b):
 def _score(ps, recf, g, s, now, until):
     """SAECachePolicy._least's score of slot ``s`` of group ``g`` at ``now``, and a lower bound on it until the
     instant ``until`` (-inf: none)."""
-    code = g % GROUP_SLOT
-    q = code // _TYPES
+    code = g % GROUP_SLOT + GROUP_SLOT * (g // N_GROUPS)  # its coef: queue-type code and value bin
+    q = (g % GROUP_SLOT) // _TYPES
     min_dt = ps.sf[MIN_DT]
     dt = now - recf[s, LAST]
     if q == PE:  # a constant ranking term: 1 / dt
@@ -328,7 +341,7 @@ def _score(ps, recf, g, s, now, until):
     dt_b = until - recf[s, LAST]
     if not dt_b > min_dt:
         dt_b = min_dt
-    p = ps.sf[PST] if q == ST else ps.slotp[g // GROUP_SLOT]
+    p = ps.sf[PST] if q == ST else ps.slotp[g % N_GROUPS // GROUP_SLOT]
     horizon = ps.sf[HORIZON] if ps.si[HAS_HOR] else ps.sf[EXP_MEAN_CH]
     gp = ps.gaps
     f, lb = density_and_bound(gp[q, 0], gp[q, 1], gp[q, 2], gp[q, 3], p, dt, horizon, dt_b)
@@ -651,6 +664,8 @@ def _release(ps, c, path, i0, i1, now):
         g = q * _TYPES + (rec[s, BTYPE] if typed else 0)
         if q == CH or q == AG:
             g += slot
+            if si[VALUED]:
+                g += N_GROUPS * ps.vbin[rec[s, DEPTH]]
         rec[s, GROUP] = g
         if rec[s, NCHILD] == 0 or (q == ST and si[SAMPLED]):  # a sampled structural group lists inner nodes too
             _add(ps, rec, s, 1)
@@ -742,8 +757,6 @@ class SAECacheTwin(Twin):
             return "saecache: exponential gaps (lognormal=False) have no compiled engine"
         if sw["density"] and sw["position_decay"]:
             return "saecache: position decay under the hit density (density=True) has no compiled engine"
-        if sw["hit_value"]:
-            return "saecache: the value of a hit (hit_value=True) has no compiled engine"
         return None
 
     def load(self, state: dict[str, Any], n: int, core: Any) -> None:
@@ -761,14 +774,14 @@ class SAECacheTwin(Twin):
         win_t0, has_t0 = _opt(state["window_t0"])
         cand_now, cand_ok = _opt(state["cand_now"])
         sampled = not sw["density"] or sw["position_decay"]  # as SAECachePolicy._st_sampled
-        si = np.zeros(23, dtype=np.int64)
+        si = np.zeros(24, dtype=np.int64)
         si[LAST_G] = -1
         si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
-            TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY]] = [
+            TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, VALUED]] = [
             state["released"], state["next_up"], state["next_stamp"], state["deferred"], state["stale"], cand_ok,
             state["window_inserted"], has_t0, has_rate, has_hor, sw["multi_queue"], sw["type_weights"],
             state["prompt_queue"], state["output_queue"], state["slot"], state["n_prompt"],
-            state["output_reasoning"], sw["density"], sampled, sw["position_decay"]]
+            state["output_reasoning"], sw["density"], sampled, sw["position_decay"], sw["hit_value"]]
         sf = np.zeros(10)
         sf[[CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, CAPACITY]] = [
             cand_now, state["now"], horizon, ins_rate, win_t0, arrivals.p_structural, policy.min_dt,
@@ -777,17 +790,21 @@ class SAECacheTwin(Twin):
         req[R_REASON] = arrivals.reasoning_of
         live = state["inflight"]
         req[R_LIVE, live], req[R_Q, live], req[R_SLOT, live] = 1, state["inflight_queue"], state["inflight_slot"]
-        gi = np.zeros((G_CAND + 3, N_GROUPS), dtype=np.int32)
+        # a block's depth is below its request's blocks (prompt and output): the value bins of every depth
+        depths = int(np.max(np.diff(trace.prompt_offsets) + np.diff(trace.output_offsets), initial=1))
+        vbin = np.array(value_bins(depths, trace.block_size) if sw["hit_value"] else [0], dtype=np.int32)
+        groups = N_GROUPS * (int(vbin.max()) + 1)
+        gi = np.zeros((G_CAND + 3, groups), dtype=np.int32)
         gi[G_DIRTY], gi[G_HN, :N_ST], gi[G_CAND:] = 1, -1, -1
-        gl = np.zeros((G_CSTAMP + 3, N_GROUPS), dtype=np.int64)
+        gl = np.zeros((G_CSTAMP + 3, groups), dtype=np.int64)
         gl[G_EPOCH] = -1
         qn = np.zeros((2, N_QUEUES), dtype=np.int64)
         qn[Q_OCC], qn[Q_HITS] = state["occupancy"], state["queue_hits"]
         self.state = SAEState(
             req=req, n_prompt=np.asarray(arrivals.n_prompt_of, dtype=np.int32), req_pst=np.zeros(m), gi=gi, gl=gl,
-            gf=np.zeros((G_CUNTIL + 3, N_GROUPS)),
+            gf=np.zeros((G_CUNTIL + 3, groups)),
             slotp=np.array([slot_p(k) for k in range(N_SLOTS + 1)]), gaps=np.zeros((N_QUEUES, 4)),
-            coef=np.zeros(GROUP_SLOT), root=np.full(1, -1, dtype=np.int64), qn=qn,
+            coef=np.zeros(groups // N_GROUPS * GROUP_SLOT), vbin=vbin, root=np.full(1, -1, dtype=np.int64), qn=qn,
             offset=np.zeros(core.rec.shape[0] if sampled else 1),
             hslot=np.zeros((N_ST, 2 * policy.sample), dtype=np.int32),
             hstamp=np.zeros((N_ST, 2 * policy.sample), dtype=np.int64), si=si, sf=sf)
@@ -820,9 +837,13 @@ class SAECacheTwin(Twin):
         alpha = [1.0, params["alpha_st"], params["alpha_ch"], params["alpha_ag"]] if sw["adaptive_alpha"] \
             else [1.0] * N_QUEUES
         w = [params[f"w_{t.name.lower()}"] for t in TokenType] if sw["type_weights"] else [1.0] * len(TokenType)
-        for q in range(N_QUEUES):
-            for t in range(len(TokenType)):
-                ps.coef[q * _TYPES + t] = alpha[q] * w[t]
+        for k in range(ps.coef.size // GROUP_SLOT):  # as SAECachePolicy._constants: structural blocks weigh 1
+            for q in range(N_QUEUES):
+                for t in range(len(TokenType)):
+                    c = alpha[q] * w[t]
+                    if sw["hit_value"] and (q == CH or q == AG):
+                        c *= value_weight(k)
+                    ps.coef[k * GROUP_SLOT + q * _TYPES + t] = c
 
     def prepare(self, a: int, b: int) -> None:
         """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring)."""

@@ -98,16 +98,16 @@ from sae_env.serving.hardware import GPUS, MODELS
 from sae_env.serving.roofline import RooflineCost
 from sae_env.trace import N_TOKEN_TYPES, TokenType, Trace
 
-__all__ = ["AG", "CH", "GROUP_SLOT", "PAPER", "PARAM_SPECS", "PE", "QUEUES", "ST", "Predictor", "SAECachePaperPolicy",
-           "SAECachePolicy", "gap_models"]
+__all__ = ["AG", "CH", "GROUP_SLOT", "PAPER", "PARAM_SPECS", "PE", "QUEUES", "ST", "VALUE_STRIDE", "Predictor",
+           "SAECachePaperPolicy", "SAECachePolicy", "gap_models", "value_bins", "value_weight"]
 
 _SQRT2 = math.sqrt(2.0)
 _STRUCTURAL_TYPES = (TokenType.SYSTEM, TokenType.TEMPLATE)
 _COMPACT_MIN = 1 << 18  # released blocks before the first compaction of the recency lists (a few MB of entries)
 _CONSTANT, _LOGNORMAL, _EXPONENTIAL, _POSITION, _DENSITY = range(5)  # kinds of ranking term (see _constants)
 GROUP_SLOT = _SLOT = 64  # group id = queue_type_code(queue, type) + _SLOT * slot: the code fits below _SLOT
-# Under ``hit_value`` a chat or agent group also carries its blocks' value bin: group id + _VALUE_STRIDE * bin.
-_VALUE_STRIDE = _SLOT * (N_SLOTS + 1)
+# Under ``hit_value`` a chat or agent group also carries its blocks' value bin: group id + VALUE_STRIDE * bin.
+VALUE_STRIDE = _SLOT * (N_SLOTS + 1)
 _VALUE_BINS_PER_OCTAVE = 4  # value bins a factor 2 ** (1 / 4) = 1.19 wide: a block's value is within 9 % of its bin's
 _ST_GROUPS = tuple(range(ST * TYPE_SLOTS, (ST + 1) * TYPE_SLOTS))  # the structural groups (no continuation bin)
 _REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)  # plain ints: enum lookups cost more
@@ -122,6 +122,20 @@ def _value_context(model: str = "qwen2.5-1.5b") -> float:
 
 
 _VALUE_CONTEXT = _value_context()  # the paper's model, Qwen2.5-1.5B: 15,234 tokens
+
+
+def value_bins(n: int, block_size: int) -> list[int]:
+    """The value bins of the blocks at depths ``0 .. n-1`` (hit_value): ``floor(4 log2(1 + context /
+    _VALUE_CONTEXT))``, the context being the ``depth * block_size`` tokens before a block. A hit saves recomputing
+    the block, whose FLOPs per token are the linear layers' plus attention over its context: ``1 + context /
+    _VALUE_CONTEXT`` times those of a block at the start of a prompt. (The policy and its compiled twin both read
+    their bins from here.)"""
+    return [int(_VALUE_BINS_PER_OCTAVE * math.log2(1.0 + depth * block_size / _VALUE_CONTEXT)) for depth in range(n)]
+
+
+def value_weight(k: int) -> float:
+    """The geometric centre of value bin ``k``, the factor a block's hit density is weighed by (hit_value)."""
+    return 2.0 ** ((k + 0.5) / _VALUE_BINS_PER_OCTAVE)
 
 
 PARAM_SPECS: tuple[ParamSpec, ...] = (
@@ -278,7 +292,7 @@ class SAECachePolicy(EvictionPolicy):
             sw = self.switches
             q, t = split_queue_type(g % _SLOT)
             if self._density and q != PE:
-                p = self.arrivals.p_structural if q == ST else slot_p(g % _VALUE_STRIDE // _SLOT)
+                p = self.arrivals.p_structural if q == ST else slot_p(g % VALUE_STRIDE // _SLOT)
                 kind, c1, c2 = _DENSITY, self._gaps[q], p
             elif q == CH or q == AG:
                 mu, sigma = self._ln[q]
@@ -290,20 +304,16 @@ class SAECachePolicy(EvictionPolicy):
                 kind, c1, c2 = _CONSTANT, 0.0, 0.0
             flag = 0 if (q == PE and sw["multi_queue"]) else 1
             coef = self._alpha[q] * self._w[t]
-            if self._valued and (q == CH or q == AG):  # the value bin's geometric centre (structural blocks, at
-                coef *= 2.0 ** ((g // _VALUE_STRIDE + 0.5) / _VALUE_BINS_PER_OCTAVE)  # the prompts' start: 1)
+            if self._valued and (q == CH or q == AG):  # structural blocks, at the prompts' start, weigh 1
+                coef *= value_weight(g // VALUE_STRIDE)
             c = self._consts[g] = (flag, kind, c1, c2, coef)
         return c
 
     def _value_bin_of(self, depth: int) -> int:
-        """The value bin of a block at ``depth`` (hit_value): ``floor(4 log2(1 + context / _VALUE_CONTEXT))``, the
-        context being the tokens before it. A hit saves recomputing the block, whose FLOPs per token are the
-        linear layers' plus attention over its context: ``1 + context / _VALUE_CONTEXT`` times those of a block at
-        the start of a prompt."""
+        """The value bin of a block at ``depth`` (hit_value; :func:`value_bins`)."""
         bins = self._value_bin
-        while len(bins) <= depth:
-            context = len(bins) * self._block_size
-            bins.append(int(_VALUE_BINS_PER_OCTAVE * math.log2(1.0 + context / _VALUE_CONTEXT)))
+        if len(bins) <= depth:  # grown in doublings: deeper blocks come one at a time
+            bins.extend(value_bins(max(depth + 1, 2 * len(bins)), self._block_size)[len(bins):])
         return bins[depth]
 
     def _rank(self, kind: int, c1: Any, c2: Any, dt: float, b: Block) -> float:
@@ -426,7 +436,7 @@ class SAECachePolicy(EvictionPolicy):
             if q == CH or q == AG:
                 g += slot
                 if valued:
-                    g += _VALUE_STRIDE * self._value_bin_of(b.depth)
+                    g += VALUE_STRIDE * self._value_bin_of(b.depth)
                 b.pdata = g
             if not b.n_children or (q == ST and st_sampled):
                 if g != last_g:  # a request's blocks come in long runs of one group: one lookup per run
