@@ -10,12 +10,12 @@ whether the policy refits there, the structural continuation rate after it). Wha
 the kernel, applied at the same request as the Python policy applies it: the turnover time (capacity over the
 insertion rate) re-estimated at each refit, the occupancy and hits per queue.
 
-Victims. The Python policy keeps, per group (queue, type when typed, continuation bin), its released leaves in a
-recency list and the blocks that became leaves later in returned-heaps, and scores three candidates per group: the
-list's head, the heaps' oldest top, and the group's newest block (its score rises, then falls, with idle time); the
-least ``(PE flag, score, release stamp)`` over the groups goes. Here both sets live in one treap over the slots
-keyed ``(group, set, stamp)`` (:mod:`sae_env.fast_engine.treap`), which gives each of those candidates in O(log n);
-scores are computed by the same operations in the same order as
+Victims. The Python policy keeps, per group (queue, type when typed, continuation bin, value bin under hit_value),
+its released leaves in a recency list and the blocks that became leaves later in returned-heaps, and scores three
+candidates per group: the list's head, the heaps' oldest top, and the group's newest block (its score rises, then
+falls, with idle time); the least ``(PE flag, score, release stamp)`` over the groups goes. Here both sets live in
+one treap over the slots keyed ``(group, set, stamp)`` (:mod:`sae_env.fast_engine.treap`), which gives each of those
+candidates in O(log n); scores are computed by the same operations in the same order as
 :meth:`~sae_env.policies.survival.LognormalGaps.density` (numba calls the same libm). The Python policy's caches
 of candidates and scores are pure speed-ups (a fresh scan chooses the same); its shortcut (the parent of the last
 victim, released right after it into the same group, is taken without a scan when nothing moved since) is not

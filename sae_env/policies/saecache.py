@@ -62,7 +62,7 @@ soft weights and ended labels stay as they were at its last refit), ``posterior_
 ended only once idle past the horizon, not already once the posterior that it is alive is below 1 %), ``pe_routing``
 (on: requests with p below ``continue_threshold`` go to PE), ``hit_value`` (on: a chat or agent block's density is
 weighed by what a hit on it saves, the prefill FLOPs of recomputing it, ``1 + context / _VALUE_CONTEXT`` under the
-roofline, binned in quarter octaves; for TTFT on long prompts, at some cost in token hits; no compiled engine),
+roofline, binned in quarter octaves; for TTFT on long prompts, at some cost in token hits),
 ``type_weights`` (off: w = 1), ``adaptive_alpha`` (off:
 alpha = 1), ``lognormal`` (off: exponential gaps), ``position_decay`` (off: no offset term), ``multi_queue`` (off: one
 temporal queue, no PE priority), ``predictor`` (the paper's ranking: off routes first requests by rule only; under the
