@@ -7,6 +7,8 @@ trace, each in a new process.
         [--policy saecache] [--against lpc] [--policy-opt KEY=VALUE ...] [--opt KEY=VALUE ...] [--repeat N]
         [--warm] [--json FILE]
 
+    python benchmarks/decision_time.py --traces mooncake_arxiv,mooncake_synthetic --repeat 1,4,16 --runs 3
+
 Prints one row per trace: the ratio (policy over against, each run's own pair) as median and range over the runs,
 and each policy's median us per request; the last line is ``ratio_max=...``, the largest median. These machines are
 noisy: a run's ratio moves by 5-10 % from run to run, hence several runs and the median. One unreported run comes
@@ -15,7 +17,8 @@ others load.
 
 ``--repeat N`` times each trace made N times longer at the same arrival rate (:func:`repeated`: N copies one after
 another, each with sessions and blocks of its own): what a policy's decision time does as a trace grows, where
-loading the kernels weighs less and the per-request work more.
+loading the kernels weighs less and the per-request work more. A list (``--repeat 1,4,16``) gives a row per trace and
+length, labelled ``trace xN``.
 
 ``--warm`` runs the same ``train.py replay`` command in this process instead, ``--runs`` times per trace after one
 unreported call: each call's replays find the kernels loaded and the process warm, so a ratio is per-request work
@@ -127,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="passed to replay (repeatable), e.g. --policy-opt continuation=false")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="a source option passed to replay (repeatable)")
-    p.add_argument("--repeat", type=int, default=1, metavar="N",
+    p.add_argument("--repeat", default="1", metavar="N[,N...]",
                    help="time each trace made N times longer at the same arrival rate (N copies in a row, each with "
-                        "its own sessions and blocks; default 1: the trace as it is)")
+                        "its own sessions and blocks; default 1: the trace as it is); a comma list: a row per length")
     p.add_argument("--warm", action="store_true",
                    help="time warm replays in this process (--runs calls of the command after one unreported) "
                         "instead of each run's first replay in a new process")
@@ -145,9 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup < 0:
         print(f"error: --warmup must be at least 0, got {args.warmup}", file=sys.stderr)
         return 2
-    if args.repeat < 1:
-        print(f"error: --repeat must be at least 1, got {args.repeat}", file=sys.stderr)
-        return 2
+    repeats = []
+    for x in args.repeat.split(","):
+        try:
+            n = int(x)
+        except ValueError:
+            print(f"error: --repeat: {x.strip()!r} is not a whole number", file=sys.stderr)
+            return 2
+        if n < 1:
+            print(f"error: --repeat must be at least 1, got {n}", file=sys.stderr)
+            return 2
+        if n not in repeats:
+            repeats.append(n)
     if args.policy == args.against:
         print(f"error: --policy and --against are both {args.policy!r}", file=sys.stderr)
         return 2
@@ -159,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     extra = [x for kv in args.policy_opt for x in ("--policy-opt", kv)]
     tmp = tempfile.TemporaryDirectory()
-    paths = {t: t for t in traces}
-    if args.repeat > 1:  # the source options went into the written traces
+    # a row per trace and length, in that order: label -> what replay's --trace reads
+    paths = {(t if n == 1 else f"{t} x{n}"): t for t in traces for n in repeats}
+    if max(repeats) > 1:  # the source options went into the written traces
         from sae_env.cli import UsageError, parse_options
         from sae_env.sources import open_trace
 
@@ -170,17 +183,19 @@ def main(argv: list[str] | None = None) -> int:
             except (UsageError, ValueError, OSError) as e:
                 print(f"error: {t}: {e}", file=sys.stderr)
                 return 2
-            paths[t] = repeated(base, args.repeat).save(Path(tmp.name) / f"{t}_x{args.repeat}.npz")
+            for n in repeats:
+                paths[t if n == 1 else f"{t} x{n}"] = repeated(base, n).save(Path(tmp.name) / f"{t}_x{n}.npz")
     else:
         extra += [x for kv in args.opt for x in ("--opt", kv)]
+    labels = list(paths)
     from tqdm import tqdm
 
-    results: dict[str, list[dict[str, float]]] = {t: [] for t in traces}
+    results: dict[str, list[dict[str, float]]] = {x: [] for x in labels}
     if args.warm:
-        jobs = [(t, results[t]) for t in traces]
+        jobs = [(x, results[x]) for x in labels]
         args.warmup = 0  # each trace's first call is its warm-up
     else:
-        jobs = [(traces[0], None)] * args.warmup + [(t, results[t]) for t in traces for _ in range(args.runs)]
+        jobs = [(labels[0], None)] * args.warmup + [(x, results[x]) for x in labels for _ in range(args.runs)]
     with tqdm(total=len(jobs), unit="run", leave=False, file=sys.stderr, disable=None) as bar:
         for trace, kept in jobs:
             bar.set_postfix_str(trace if kept is not None else f"{trace} (warm-up)")
@@ -200,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.update()
     label = args.policy + "".join(f" {kv}" for kv in args.policy_opt)
     tmp.cleanup()
-    longer = f", each trace {args.repeat} times longer (--repeat)" if args.repeat > 1 else ""
+    longer = ", `trace xN`: the trace made N times longer (--repeat)" if max(repeats) > 1 else ""
     how = (f"warm replays in one process, {args.runs} call(s) per trace after one unreported" if args.warm else
            f"first replay of a process, {args.runs} run(s) per trace after {args.warmup} unreported")
     print(f"decision_us_per_request of `train.py replay --capacity {args.capacity}`, {how}{longer}: {label} over "
@@ -222,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, {"policy": args.policy, "against": args.against, "capacity": args.capacity,
                                "policy_opt": args.policy_opt, "opt": args.opt, "warmup": args.warmup, "warm": args.warm,
-                               "runs": results},
+                               "repeat": repeats, "runs": results},
                    indent=1)
     print(f"ratio_max={max(medians):.3f}")
     return 0

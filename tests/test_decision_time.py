@@ -27,6 +27,8 @@ def run(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(("args", "says"), [
     (("--runs", "0"), "--runs must be at least 1, got 0"),
     (("--repeat", "0"), "--repeat must be at least 1, got 0"),
+    (("--repeat", "1,x"), "--repeat: 'x' is not a whole number"),
+    (("--repeat", "4,0"), "--repeat must be at least 1, got 0"),
     (("--traces", "no_such_trace", "--repeat", "2"), "no_such_trace: say which format no_such_trace is in"),
     (("--traces", ","), "--traces: no trace named"),
     (("--warmup", "-1"), "--warmup must be at least 0, got -1"),
@@ -114,3 +116,16 @@ def test_warm_mistake_exits_2_with_the_commands_line():
     assert done.returncode == 2 and done.stdout == ""
     lines = [x for x in done.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: taubench: --policy-opt bogus: none of lpc"), done.stderr
+
+
+def test_a_list_of_lengths_gives_a_row_per_trace_and_length(tmp_path):
+    """--repeat 1,2: the trace as it is and made twice as long, one row each (``trace``, ``trace x2``), in the JSON
+    under the same labels."""
+    out = tmp_path / "lengths.json"
+    done = run("--warm", "--traces", "bailian", "--repeat", "1,2", "--runs", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = re.findall(r"^\| (bailian(?: x2)?) \| [\d.]+x \(", done.stdout, re.M)
+    assert rows == ["bailian", "bailian x2"], done.stdout
+    assert "`trace xN`: the trace made N times longer" in done.stdout
+    saved = json.loads(out.read_text())
+    assert saved["repeat"] == [1, 2] and list(saved["runs"]) == ["bailian", "bailian x2"]
