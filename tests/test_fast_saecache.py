@@ -11,8 +11,6 @@ run fall back to the Python engine with the reason.
 
 from __future__ import annotations
 
-from unittest import mock
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -106,14 +104,13 @@ def test_session_traces_agree(trace, capacity, window, ghosts, outputs, options)
 @given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 7),
        timed=st.booleans(), options=switches)
 def test_value_bins_agree(trace, capacity, window, timed, options):
-    """hit_value with the value context patched to 8 tokens, so that these short prompts spread over many value bins
-    (at the model's 15,234 tokens they all sit in bin 0): the groups carry the bin, the scores its weight, on both
-    engines, instant and timed."""
-    with mock.patch.object(saecache, "_VALUE_CONTEXT", 8.0):
-        py, fast = both(trace, capacity, {"preset": SERVER, "token_budget": 16} if timed else None,
-                        options={**options, "hit_value": True}, window_requests=window)
-        assert_same_windows(py, fast)
-        assert fast.policy.switches["hit_value"]
+    """hit_value with a value context of 8 tokens, so that these short prompts spread over many value bins (at the
+    model's 15,234 tokens they all sit in bin 0): the groups carry the bin, the scores its weight, on both engines,
+    instant and timed."""
+    py, fast = both(trace, capacity, {"preset": SERVER, "token_budget": 16} if timed else None,
+                    options={**options, "hit_value": True, "value_context": 8.0}, window_requests=window)
+    assert_same_windows(py, fast)
+    assert fast.policy.switches["hit_value"]
 
 
 @pytest.mark.parametrize("trace_name", ["mooncake_arxiv", "mooncake_synthetic", "wildchat"])

@@ -787,6 +787,22 @@ def test_the_value_context_is_the_models_linear_over_attention_flops():
     recompute costs twice the start-of-prompt cost at ``N / (2 L d)`` tokens of context."""
     assert saecache._VALUE_CONTEXT == pytest.approx(1_310_340_608 / (2 * 28 * 1536), rel=1e-12)
     assert 15_000 < saecache._VALUE_CONTEXT < 15_500
+    assert SAECachePolicy().value_context == saecache._VALUE_CONTEXT  # the default, the paper's model
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "many", True])
+def test_a_bad_value_context_is_refused(bad):
+    with pytest.raises(ValueError, match="value_context must be a positive number of tokens"):
+        SAECachePolicy(hit_value=True, value_context=bad)
+
+
+def test_the_value_context_option_sets_the_bins():
+    """Another model's context (``value_context``, tokens): the bins of the same depths move with it."""
+    for context in (8.0, 1_000.0, saecache._VALUE_CONTEXT, 26_000):
+        policy = SAECachePolicy(hit_value=True, value_context=context)
+        policy._block_size = 16
+        for depth in (0, 1, 7, 100, 5000):
+            assert policy._value_bin_of(depth) == math.floor(4 * math.log2(1 + depth * 16 / context))
 
 
 def test_hit_value_weighs_the_density_by_the_blocks_value_bin():
@@ -811,15 +827,14 @@ def test_hit_value_weighs_the_density_by_the_blocks_value_bin():
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_hit_value_victims_are_exact_across_value_bins(seed, monkeypatch):
+def test_hit_value_victims_are_exact_across_value_bins(seed):
     """With a value context of 8 tokens the tiny traces' blocks spread over many value bins (groups): the victim is
     still the exact least (PE flag, value x density, stamp) over every evictable block, and the bins change
     decisions (against hit_value off)."""
-    monkeypatch.setattr(saecache, "_VALUE_CONTEXT", 8.0)
     tr = tiny(seed)
     n, differ, bins = 0, 0, set()
     for cap in CAPACITIES:
-        r, a = run(tr, cap, window_requests=25, strict_temporal=True, hit_value=True)
+        r, a = run(tr, cap, window_requests=25, strict_temporal=True, hit_value=True, value_context=8.0)
         n += a.temporal_evictions
         bins |= {g // saecache.VALUE_STRIDE for g in r.policy._lists}
         _, b = run(tr, cap, window_requests=25, hit_value=False)

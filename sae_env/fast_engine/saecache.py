@@ -792,7 +792,8 @@ class SAECacheTwin(Twin):
         req[R_LIVE, live], req[R_Q, live], req[R_SLOT, live] = 1, state["inflight_queue"], state["inflight_slot"]
         # a block's depth is below its request's blocks (prompt and output): the value bins of every depth
         depths = int(np.max(np.diff(trace.prompt_offsets) + np.diff(trace.output_offsets), initial=1))
-        vbin = np.array(value_bins(depths, trace.block_size) if sw["hit_value"] else [0], dtype=np.int32)
+        vbin = np.array(value_bins(depths, trace.block_size, policy.value_context) if sw["hit_value"] else [0],
+                        dtype=np.int32)
         groups = N_GROUPS * (int(vbin.max()) + 1)
         gi = np.zeros((G_CAND + 3, groups), dtype=np.int32)
         gi[G_DIRTY], gi[G_HN, :N_ST], gi[G_CAND:] = 1, -1, -1

@@ -61,8 +61,9 @@ counts), ``timed_refit`` (off: the continuation model refits by the count of arr
 soft weights and ended labels stay as they were at its last refit), ``posterior_end`` (off: a pending session counts as
 ended only once idle past the horizon, not already once the posterior that it is alive is below 1 %), ``pe_routing``
 (on: requests with p below ``continue_threshold`` go to PE), ``hit_value`` (on: a chat or agent block's density is
-weighed by what a hit on it saves, the prefill FLOPs of recomputing it, ``1 + context / _VALUE_CONTEXT`` under the
-roofline, binned in quarter octaves; for TTFT on long prompts, at some cost in token hits),
+weighed by what a hit on it saves, the prefill FLOPs of recomputing it, ``1 + context / value_context`` under the
+roofline, binned in quarter octaves; for TTFT on long prompts, at some cost in token hits; ``value_context``, in
+tokens, defaults to the paper's model's, Qwen2.5-1.5B's 15,234: give another model's ``N / (2 L d)``),
 ``type_weights`` (off: w = 1), ``adaptive_alpha`` (off:
 alpha = 1), ``lognormal`` (off: exponential gaps), ``position_decay`` (off: no offset term), ``multi_queue`` (off: one
 temporal queue, no PE priority), ``predictor`` (the paper's ranking: off routes first requests by rule only; under the
@@ -124,13 +125,13 @@ def _value_context(model: str = "qwen2.5-1.5b") -> float:
 _VALUE_CONTEXT = _value_context()  # the paper's model, Qwen2.5-1.5B: 15,234 tokens
 
 
-def value_bins(n: int, block_size: int) -> list[int]:
+def value_bins(n: int, block_size: int, value_context: float) -> list[int]:
     """The value bins of the blocks at depths ``0 .. n-1`` (hit_value): ``floor(4 log2(1 + context /
-    _VALUE_CONTEXT))``, the context being the ``depth * block_size`` tokens before a block. A hit saves recomputing
+    value_context))``, the context being the ``depth * block_size`` tokens before a block. A hit saves recomputing
     the block, whose FLOPs per token are the linear layers' plus attention over its context: ``1 + context /
-    _VALUE_CONTEXT`` times those of a block at the start of a prompt. (The policy and its compiled twin both read
-    their bins from here.)"""
-    return [int(_VALUE_BINS_PER_OCTAVE * math.log2(1.0 + depth * block_size / _VALUE_CONTEXT)) for depth in range(n)]
+    value_context`` times those of a block at the start of a prompt (``value_context``: :func:`_value_context` of the
+    model served). The policy and its compiled twin both read their bins from here."""
+    return [int(_VALUE_BINS_PER_OCTAVE * math.log2(1.0 + depth * block_size / value_context)) for depth in range(n)]
 
 
 def value_weight(k: int) -> float:
@@ -188,7 +189,7 @@ class SAECachePolicy(EvictionPolicy):
                  censoring: bool = True, timed_refit: bool = True, posterior_end: bool = True,
                  pe_routing: bool = False, hit_value: bool = False, continue_threshold: float = 0.5, sample: int = 8,
                  min_dt: float = 1e-3, refit_steps: int = 2, refit_growth: float = 0.5,
-                 params: dict[str, float] | None = None) -> None:
+                 value_context: float | None = None, params: dict[str, float] | None = None) -> None:
         super().__init__()
         if sample < 1:
             raise ValueError(f"saecache: sample must be >= 1, got {sample}")
@@ -209,6 +210,12 @@ class SAECachePolicy(EvictionPolicy):
         self._continuation, self._density = self.switches["continuation"], self.switches["density"]
         self._decay = self.switches["position_decay"]
         self._valued = self.switches["hit_value"]
+        if value_context is None:
+            value_context = _VALUE_CONTEXT
+        if isinstance(value_context, bool) or not isinstance(value_context, (int, float)) \
+                or not (math.isfinite(value_context) and value_context > 0):
+            raise ValueError(f"saecache: value_context must be a positive number of tokens, got {value_context!r}")
+        self.value_context = float(value_context)  # hit_value: the context at which a block's recompute cost doubles
         self._value_bin: list[int] = []  # depth -> value bin (hit_value), grown as deeper blocks are released
         self._block_size = 1
         # Structural groups are sampled where a block's offset weighs its score (the paper's position decay);
@@ -313,7 +320,7 @@ class SAECachePolicy(EvictionPolicy):
         """The value bin of a block at ``depth`` (hit_value; :func:`value_bins`)."""
         bins = self._value_bin
         if len(bins) <= depth:  # grown in doublings: deeper blocks come one at a time
-            bins.extend(value_bins(max(depth + 1, 2 * len(bins)), self._block_size)[len(bins):])
+            bins.extend(value_bins(max(depth + 1, 2 * len(bins)), self._block_size, self.value_context)[len(bins):])
         return bins[depth]
 
     def _rank(self, kind: int, c1: Any, c2: Any, dt: float, b: Block) -> float:
