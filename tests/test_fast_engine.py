@@ -518,6 +518,23 @@ def test_the_kernel_cache_stamp_covers_the_modules_the_package_imports_from(tmp_
     assert {"sae_env/policies/arrivals.py", "sae_env/trace.py", "sae_env/fast_engine/loop.py"} <= real
 
 
+@pytest.mark.parametrize(("name", "value"), [("ENABLE_PROFILING", 1), ("DEBUGINFO_DEFAULT", 1), ("OPT", 0),
+                                             ("BOUNDSCHECK", 1)])
+def test_the_kernel_cache_stamp_covers_numbas_code_generation_settings(monkeypatch, name, value):
+    """A kernel cached under NUMBA_ENABLE_PROFILING=1 (or debug info, another optimisation level, bounds checks)
+    is other machine code under the same numba cache key: the package's stamp tells them apart, so such a kernel is
+    stale in a process with the default settings, not loaded (a profiling kernel made first replays 9x slower)."""
+    from numba.core import config
+
+    from sae_env.fast_engine import jit
+
+    before = jit.cache_stamp()
+    assert before.startswith(jit.package_stamp())
+    monkeypatch.setattr(config, name, value)
+    assert jit.cache_stamp() != before
+    assert jit._STAMP == before  # this process's kernels were checked against the default settings
+
+
 @pytest.mark.parametrize("gone", ["class", "module"])
 def test_a_cache_index_naming_a_state_class_that_is_gone_is_a_miss(tmp_path, monkeypatch, gone):
     """numba unpickles a kernel's cache index before comparing stamps (numba issue 6018): an index written by another
@@ -529,12 +546,12 @@ def test_a_cache_index_naming_a_state_class_that_is_gone_is_a_miss(tmp_path, mon
 
     from numba.core import caching
 
-    from sae_env.fast_engine.jit import package_stamp
+    from sae_env.fast_engine.jit import cache_stamp
 
     module = types.ModuleType("sae_env_gone_states")
     module.OldState = type("OldState", (), {"__module__": module.__name__})
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    ours = caching.IndexDataCacheFile(str(tmp_path), "kernel", package_stamp())
+    ours = caching.IndexDataCacheFile(str(tmp_path), "kernel", cache_stamp())
     ours._save_index({(module.OldState(), "sig"): "kernel.1.nbc"})
     foreign = caching.IndexDataCacheFile(str(tmp_path), "kernel", "another stamp")
     assert len(ours._load_index()) == 1  # readable while the class exists

@@ -40,8 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AVAILABLE", "HOOKS", "borrow", "implements", "inline", "jit", "kernel", "package_stamp", "rebind",
-           "stamped_files", "template"]
+__all__ = ["AVAILABLE", "HOOKS", "borrow", "cache_stamp", "implements", "inline", "jit", "kernel", "package_stamp",
+           "rebind", "stamped_files", "template"]
 
 try:  # an optional dependency: the replay falls back to the Python engine without it
     import numba
@@ -139,6 +139,22 @@ def package_stamp(package: Path = _PACKAGE) -> str:
         h.update(str(f.relative_to(root) if f.is_relative_to(root) else f.name).encode())
         h.update(f.read_bytes())
     return h.hexdigest()
+
+
+# numba settings that change the machine code a kernel compiles to but not numba's own cache key (which holds the
+# signature, the CPU and its features): a kernel compiled under NUMBA_ENABLE_PROFILING=1 is ten times larger, and
+# once cached it made every later process's first replay 9x slower, decision times included.
+_CODEGEN_SETTINGS = ("OPT", "DEBUGINFO_DEFAULT", "ENABLE_PROFILING", "BOUNDSCHECK", "LOOP_VECTORIZE", "SLP_VECTORIZE")
+
+
+def cache_stamp(package: Path = _PACKAGE) -> str:
+    """What a cached kernel of ``package`` is checked against: :func:`package_stamp` and the numba settings its
+    machine code depends on (``_CODEGEN_SETTINGS``). A kernel cached under other settings is stale: it compiles
+    again, and the cache keeps the latest."""
+    from numba.core import config
+
+    settings = ",".join(f"{name}={getattr(config, name, None)}" for name in _CODEGEN_SETTINGS)
+    return f"{package_stamp(package)};{settings}"
 
 
 def _stamp_the_whole_package(stamp: str) -> None:
@@ -240,7 +256,7 @@ def _copy_callee_ir_once() -> None:
 
 
 if AVAILABLE:
-    _STAMP = package_stamp()
+    _STAMP = cache_stamp()
     _stamp_the_whole_package(_STAMP)
     _unreadable_index_is_a_miss(_STAMP)
     _copy_callee_ir_once()
