@@ -120,9 +120,10 @@ def test_warm_mistake_exits_2_with_the_commands_line():
 
 def test_a_list_of_lengths_gives_a_row_per_trace_and_length(tmp_path):
     """--repeat 1,2: the trace as it is and made twice as long, one row each (``trace``, ``trace x2``), in the JSON
-    under the same labels."""
+    under the same labels. (FIFO over LRU: their kernels are the cheapest to compile in a fresh checkout.)"""
     out = tmp_path / "lengths.json"
-    done = run("--warm", "--traces", "bailian", "--repeat", "1,2", "--runs", "1", "--json", str(out))
+    done = run("--warm", "--traces", "bailian", "--repeat", "1,2", "--runs", "1", "--policy", "fifo",
+               "--against", "lru", "--json", str(out))
     assert done.returncode == 0, done.stderr
     rows = re.findall(r"^\| (bailian(?: x2)?) \| [\d.]+x \(", done.stdout, re.M)
     assert rows == ["bailian", "bailian x2"], done.stdout
