@@ -171,8 +171,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     extra = [x for kv in args.policy_opt for x in ("--policy-opt", kv)]
     tmp = tempfile.TemporaryDirectory()
+    def row_label(t: str, n: int) -> str:
+        return t if n == 1 else f"{t} x{n}"
+
     # a row per trace and length, in that order: label -> what replay's --trace reads
-    paths = {(t if n == 1 else f"{t} x{n}"): t for t in traces for n in repeats}
+    paths = {row_label(t, n): t for t in traces for n in repeats}
     if max(repeats) > 1:  # the source options went into the written traces
         from sae_env.cli import UsageError, parse_options
         from sae_env.sources import open_trace
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {t}: {e}", file=sys.stderr)
                 return 2
             for n in repeats:
-                paths[t if n == 1 else f"{t} x{n}"] = repeated(base, n).save(Path(tmp.name) / f"{t}_x{n}.npz")
+                paths[row_label(t, n)] = repeated(base, n).save(Path(tmp.name) / f"{t}_x{n}.npz")
     else:
         extra += [x for kv in args.opt for x in ("--opt", kv)]
     labels = list(paths)

@@ -73,7 +73,6 @@ from sae_env.trace import TokenType
 
 # Groups of one value bin (hit_value: group id + N_GROUPS * bin, as the policy's VALUE_STRIDE; off: bin 0 only).
 N_GROUPS = VALUE_STRIDE
-assert N_GROUPS == GROUP_SLOT * (N_SLOTS + 1)
 _REASONING, _TEMPLATE = int(TokenType.REASONING), int(TokenType.TEMPLATE)
 _TYPES = 8  # TYPE_SLOTS: queue_type_code = queue * 8 + type
 _TINY = 1e-300
