@@ -67,6 +67,11 @@ def repeated(trace: Trace, n: int) -> Trace:
     return concat(copies)
 
 
+def row_label(trace: str, n: int) -> str:
+    """A table row's (and the JSON's) label: the trace's name, ``trace xN`` when it is made N times longer."""
+    return trace if n == 1 else f"{trace} x{n}"
+
+
 def one_run(trace: str, policy: str, against: str, capacity: str, extra: list[str]) -> dict[str, float]:
     """One ``train.py replay`` in a new process: each policy's ``decision_us_per_request``. Raises RuntimeError
     with train.py's last error line if it fails."""
@@ -171,9 +176,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     extra = [x for kv in args.policy_opt for x in ("--policy-opt", kv)]
     tmp = tempfile.TemporaryDirectory()
-    def row_label(t: str, n: int) -> str:
-        return t if n == 1 else f"{t} x{n}"
-
     # a row per trace and length, in that order: label -> what replay's --trace reads
     paths = {row_label(t, n): t for t in traces for n in repeats}
     if max(repeats) > 1:  # the source options went into the written traces
