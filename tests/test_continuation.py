@@ -117,7 +117,7 @@ def test_refit_schedule():
     assert refit_offers(ContinuationModel(), 50) == list(range(1, 51))
     assert refit_offers(ContinuationModel(refit_growth=0.5), 30) == [1, 2, 3, 4, 6, 9, 13, 19, 28]
     assert refit_offers(ContinuationModel(refit_growth=1.0), 40) == [1, 2, 4, 8, 16, 32]
-    late = refit_offers(ContinuationModel(refit_growth=0.5), 500)
+    late = refit_offers(ContinuationModel(refit_growth=0.5), 1000)
     assert np.all(np.diff(late) <= MAX_REFIT_GAP) and np.all(np.diff(late)[-10:] == MAX_REFIT_GAP)
 
 

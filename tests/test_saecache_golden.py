@@ -112,8 +112,8 @@ def observe(name: str) -> dict:
 GOLDEN = {
     'default_heterogeneous': {'hit_blocks': 747598, 'hits': 'e86f7e324c255036', 'evictions': 71559, 'bypasses': 0,
         'victims': 'dad578483ffcf563', 'queue_hits': '5a4e36d4c61ace3a', 'occupancy': [0, 1857, 10253, 0]},
-    'default_mooncake': {'hit_blocks': 19047, 'hits': 'e63888f3eb98957a', 'evictions': 96834, 'bypasses': 0,
-        'victims': 'cc9571613b7c6cf0', 'queue_hits': '4fc1713eb760787f', 'occupancy': [0, 35, 1972, 0]},
+    'default_mooncake': {'hit_blocks': 18947, 'hits': '93c3eebb735dc231', 'evictions': 96934, 'bypasses': 0,
+        'victims': '6789683e16945d8d', 'queue_hits': 'bebfeafd6fe2bfaa', 'occupancy': [0, 35, 1972, 0]},
     'default_taubench_timed': {'hit_blocks': 843126, 'hits': '0d409dc7dae41369', 'evictions': 117021, 'bypasses': 3531,
         'victims': '054b2ef1c53e45e9', 'queue_hits': '01cdb0613ae6e146', 'occupancy': [0, 282, 0, 1403]},
     'default_templated_switches': {'hit_blocks': 2418, 'hits': '009d5ea79184c402', 'evictions': 13942, 'bypasses': 249,
