@@ -135,7 +135,7 @@ def test_sigterm_inside_ray_init_leaves_nothing():
     # raced with them: the session folder stayed, without the owner file that would let a later start remove it.
     proc = subprocess.run([sys.executable, "-c", IN_INIT], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == signal.SIGTERM and "up" not in proc.stdout, proc.stderr[-2000:]
+    assert proc.returncode == signal.SIGTERM and "up" not in proc.stdout.splitlines(), proc.stderr[-2000:]
     made = [Path(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("made ")]
     assert len(made) == 2  # the session folder and the private HOME
     assert not any(p.exists() for p in made)
