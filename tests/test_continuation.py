@@ -379,21 +379,6 @@ def test_feature_rows_equal_the_whole_matrix_bit_for_bit(name):
         np.testing.assert_array_equal(model.feature_rows(slice(i, i + 1024)) @ model.beta, ref[i:i + 1024] @ model.beta)
 
 
-def test_feature_rows_beyond_the_ring_of_cached_rows(monkeypatch):
-    """Rows asked for across more requests than the ring holds (two of them in one ring slot) are still theirs."""
-    from sae_env.policies import continuation
-
-    monkeypatch.setattr(continuation, "_ROW_CACHE", 7)
-    trace = sessions_trace(40, seed=8)
-    model = ContinuationModel()
-    model.bind(trace)
-    ref = reference_features(trace)
-    rng = np.random.default_rng(1)
-    for _ in range(20):
-        idx = rng.integers(0, len(trace), size=int(rng.integers(1, 30)))
-        np.testing.assert_array_equal(model.feature_rows(idx), ref[idx])
-
-
 @settings(max_examples=60, deadline=None)
 @given(buffer=st.integers(1, 40), fill=st.integers(0, 80), n_end=st.integers(0, 120))
 def test_recording_many_labels_at_once_equals_one_at_a_time(buffer, fill, n_end):

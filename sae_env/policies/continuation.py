@@ -94,7 +94,6 @@ P_CLIP = 1e-3  # probabilities are clipped to [P_CLIP, 1 - P_CLIP] before a logi
 # (within 0.3 points, both signs) with 23 fits where this bound makes 14 (mooncake_arxiv made 16 times longer; README,
 # "Decision time"). The two schedules part only after 3,712 arrivals.
 MAX_REFIT_GAP = 64
-_ROW_CACHE = 1 << 14  # feature rows kept (1.2 MB): more than the refits' labelled buffer and block of rows ask for
 
 
 def _logit(p: float) -> float:
@@ -197,8 +196,7 @@ class ContinuationModel:
         prev[order[1:][same]] = order[:-1][same]
         self._prev = prev.astype(np.int32) if n < 2**31 else prev
         # Blocks of each token-type group per request (user, assistant, tool output, system + template), in one
-        # pass over the blocks. The features are computed from these per request when asked (:meth:`feature_rows`):
-        # 12 bytes per request (20 with prompts of 2**15 blocks) instead of a 72-byte row of floats.
+        # pass over the blocks (the features' token-type mix).
         offsets = trace.prompt_offsets
         req_of = np.repeat(np.arange(n, dtype=np.int64), np.diff(offsets))
         counts = np.bincount(req_of * N_TOKEN_TYPES + trace.prompt_types, minlength=n * N_TOKEN_TYPES)
@@ -216,34 +214,19 @@ class ContinuationModel:
             self._first_logit = np.zeros(n)
             for i in np.flatnonzero(turn == 1).tolist():  # each answer reads request i alone
                 self._first_logit[i] = self._predictor_logit(trace, i) / 5.0
-        self._rows: np.ndarray | None = None  # feature rows of recent requests (feature_rows), made when asked
-        self._row_of: np.ndarray | None = None  # the request each ring row holds (-1: none)
+        # Every request's feature row, computed here at once: each is a few elementwise operations on the facts above
+        # (what a server computes in O(1) at the request's arrival), and one pass over the whole trace costs less than
+        # the same arithmetic a block of rows at a time inside the replay. 72 bytes a request: a tenth or less of what
+        # the trace itself holds for it (8-byte keys of every prompt block). Without ``features`` none are used.
+        self._z = self._compute_rows(np.arange(n, dtype=np.int64)) if self.features else np.zeros((n, _N_FEATURES))
         self._zb: np.ndarray | None = None  # z @ beta, recomputed after each fit
         self._zb_from = 0
 
     def feature_rows(self, idx: np.ndarray | slice) -> np.ndarray:
         """The feature rows ``z`` of requests ``idx`` (an index array or a slice), one row of ``_N_FEATURES``
-        floats each. Rows are computed when first asked for and kept in a ring of the latest ``_ROW_CACHE``
-        requests (the refits ask for recent requests again and again); a row is the same floats whichever rows are
-        computed together (elementwise arithmetic only)."""
-        if isinstance(idx, slice):
-            idx = np.arange(*idx.indices(len(self._trace)), dtype=np.int64)
-        if self._rows is None:
-            k = min(_ROW_CACHE, max(len(self._trace), 1))
-            self._rows, self._row_of = np.zeros((k, _N_FEATURES)), np.full(k, -1, dtype=np.int64)
-        at = idx % self._row_of.size
-        missing = self._row_of[at] != idx
-        if missing.any():
-            # a request asked twice is computed twice, into the same slot: the same row, no sort to find it
-            todo = idx[missing]
-            at_todo = at[missing]
-            self._rows[at_todo] = self._compute_rows(todo)
-            self._row_of[at_todo] = todo
-        out = np.take(self._rows, at, axis=0)  # the rows' copy as fancy indexing makes it, at a quarter of the time
-        clash = self._row_of[at] != idx  # two requests of idx share a ring slot (idx spans more than the ring)
-        if clash.any():
-            out[clash] = self._compute_rows(idx[clash])
-        return out
+        floats each, as a new array (computed at :meth:`bind`; a row is the same floats whichever rows are asked for
+        together)."""
+        return self._z[idx].copy() if isinstance(idx, slice) else self._z[idx]
 
     def _compute_rows(self, idx: np.ndarray) -> np.ndarray:
         trace = self._trace
@@ -274,9 +257,8 @@ class ContinuationModel:
                               timed_refit=self.timed_refit, predictor=self.predictor)
         if self._trace is not None:
             for name in ("_trace", "_session", "_bucket", "_bucket_a", "_agent_a", "_prev", "_type_counts",
-                         "_first_logit"):
+                         "_first_logit", "_z"):
                 setattr(m, name, getattr(self, name))
-            m._rows = m._row_of = None
             m._zb, m._zb_from = None, 0
         return m
 
