@@ -226,7 +226,9 @@ class ContinuationModel:
         """The feature rows ``z`` of requests ``idx`` (an index array or a slice), one row of ``_N_FEATURES``
         floats each, as a new array (computed at :meth:`bind`; a row is the same floats whichever rows are asked for
         together)."""
-        return self._z[idx].copy() if isinstance(idx, slice) else self._z[idx]
+        if isinstance(idx, slice):
+            return self._z[idx].copy()
+        return np.take(self._z, idx, axis=0)  # the rows fancy indexing copies, at a quarter of its time
 
     def _compute_rows(self, idx: np.ndarray) -> np.ndarray:
         trace = self._trace
