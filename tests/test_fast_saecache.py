@@ -34,10 +34,13 @@ pytest.importorskip("numba")
 # Switches the twin runs besides the default (the rest of the Arrivals' switches need nothing of the kernel).
 FREE = ("type_weights", "adaptive_alpha", "multi_queue", "continuation", "continuation_features", "censoring",
         "timed_refit", "posterior_end", "pe_routing", "hit_value")
-switches = st.fixed_dictionaries({}, optional={k: st.booleans() for k in FREE})
+# The ranking clock's step (clock_step): the default's, none (the exact clock) and a coarse one, where many arrivals
+# share a step.
+CLOCK_STEPS = st.sampled_from([saecache.CLOCK_STEP, 0.0, 0.125])
+switches = st.fixed_dictionaries({}, optional={**{k: st.booleans() for k in FREE}, "clock_step": CLOCK_STEPS})
 # The paper's ranking (saecache-paper: density off, sampled structural groups, position decay on) and its switches.
 paper_switches = st.fixed_dictionaries({}, optional={**{k: st.booleans() for k in (*FREE, "position_decay")},
-                                                     "sample": st.sampled_from([1, 2, 8])})
+                                                     "sample": st.sampled_from([1, 2, 8]), "clock_step": CLOCK_STEPS})
 
 
 def both(trace: Trace, capacity: int, server=None, options=None, policy="saecache", **kw) -> tuple[Replay, Replay]:

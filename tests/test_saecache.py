@@ -125,6 +125,7 @@ def reference_exact(policy: SAECachePolicy, now: float) -> Block | None:
     cands = policy.cache.evictable()
     if not cands:
         return None
+    now = policy.clock(now)  # the ranking reads the clock in steps (clock_step)
     return min(cands, key=lambda b: (pe_flag(policy, b), policy.priority(b, now), b.stamp))
 
 
@@ -161,8 +162,9 @@ class Audit:
         assert ex is not None
         if has_pe:
             assert v.queue == PE, f"{v!r} evicted while a PE block was evictable"
-        kx = (pe_flag(p, ex), p.priority(ex, now))
-        kv = (pe_flag(p, v), p.priority(v, now))
+        at = p.clock(now)
+        kx = (pe_flag(p, ex), p.priority(ex, at))
+        kv = (pe_flag(p, v), p.priority(v, at))
         assert kv >= kx
         if ex.queue == ST and p.switches["multi_queue"]:
             self.st_evictions += 1
@@ -224,8 +226,9 @@ def test_a_shared_prefix_use_rescores_only_the_structural_groups():
     inner_evict, inner_changed = policy.evict, policy._changed
 
     def evict(now):
-        clocks[0] += policy._cand_now != now
-        times.add(now)
+        at = policy.clock(now)  # the ranking's clock (clock_step), which _cand_now holds
+        clocks[0] += policy._cand_now != at
+        times.add(at)
         return inner_evict(now)
 
     def on_changed():

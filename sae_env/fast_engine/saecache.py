@@ -30,7 +30,9 @@ next ``BOUND_SPAN`` of the turnover horizon (_bound); a later scan skips a group
 has found so far, and it starts from the group it chose last, whose score is usually the least again. Few groups can
 be skipped for long, though: eviction keeps every group's oldest blocks near the same score (on the trace made 16
 times longer, 84 % of the groups rescored end within 10 % of the least), so about a third of the scores remain
-(15 -> 4.4 a request).
+(15 -> 4.4 a request). What spares most of the rest is the policy's own clock step (``clock_step``,
+SAECachePolicy.clock, the same rounding here): the arrivals within one step of the ranking's clock are one instant to
+the scan (mooncake_synthetic made 16 times longer: 3.75 -> 1.56 group rescorings and 5.6 -> 3.0 scores a request).
 
 Under the paper's ranking (``density=False``) a group's score falls with idle time, so its candidates are its
 oldest listed and oldest returned blocks, except in structural groups, which are *sampled*: their lists hold inner
@@ -93,8 +95,8 @@ SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_
     MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED = range(24)
 # Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
 # structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity,
-# the position decay's power gamma.
-CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, EXP_MEAN_CH, CAPACITY, GAMMA = range(10)
+# the position decay's power gamma, the ranking clock's step as a fraction of the horizon (clock_step).
+CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, EXP_MEAN_CH, CAPACITY, GAMMA, CLOCK = range(11)
 N_ST = 16  # structural groups are queue-type codes 8 .. 15 (they carry no continuation bin)
 REFIT, STRUCTURAL = 1, 2  # request flags
 
@@ -710,6 +712,9 @@ def _take(ps, c, v):
 @implements(SAEState, "evict")
 def _evict(ps, c, now):
     si, sf = ps.si, ps.sf
+    step = sf[CLOCK] * (sf[HORIZON] if si[HAS_HOR] else sf[EXP_MEAN_CH])  # SAECachePolicy.clock
+    if 0.0 < step < math.inf:
+        now = np.ceil(now / step) * step
     rec = c.rec
     up = si[NEXT_UP]
     if up >= 0:
@@ -781,10 +786,10 @@ class SAECacheTwin(Twin):
             state["window_inserted"], has_t0, has_rate, has_hor, sw["multi_queue"], sw["type_weights"],
             state["prompt_queue"], state["output_queue"], state["slot"], state["n_prompt"],
             state["output_reasoning"], sw["density"], sampled, sw["position_decay"], sw["hit_value"]]
-        sf = np.zeros(10)
-        sf[[CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, CAPACITY]] = [
+        sf = np.zeros(11)
+        sf[[CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, CAPACITY, CLOCK]] = [
             cand_now, state["now"], horizon, ins_rate, win_t0, arrivals.p_structural, policy.min_dt,
-            float(self.capacity)]
+            float(self.capacity), policy.clock_step]
         req = np.zeros((5, m), dtype=np.int8)
         req[R_REASON] = arrivals.reasoning_of
         live = state["inflight"]
