@@ -90,6 +90,12 @@ CASES = {
     "default_templated_switches": (_templated, 40, False, False,
                                    {"predictor": _predictor, "lognormal": False, "position_decay": True,
                                     "type_weights": True}),
+    # The exact clock (clock_step=0) makes the default's decisions from before the ranking's clock had steps: pinned
+    # with the figures recorded then, so that every figure measured before it reproduces with clock_step=0.
+    "default_wildchat_exact_clock": (lambda: load_source("conversations", None)[0], 0.05, False, True,
+                                     {"clock_step": 0.0}),
+    "default_mooncake_exact_clock": (lambda: open_trace("mooncake_synthetic", None, {}, None)[0], 0.05, False, True,
+                                     {"clock_step": 0.0}),
 }
 
 
@@ -134,6 +140,10 @@ GOLDEN = {
         'victims': '2ae896512ec7604a', 'queue_hits': '3004a8804caccc57', 'occupancy': [0, 0, 3901, 0]},
     'wildchat_timed': {'hit_blocks': 29735, 'hits': 'd92799ecdb677d82', 'evictions': 58105, 'bypasses': 0,
         'victims': 'e2340d131cfd14ed', 'queue_hits': 'b37095044846f9c0', 'occupancy': [0, 0, 2600, 0]},
+    'default_mooncake_exact_clock': {'hit_blocks': 18947, 'hits': '93c3eebb735dc231', 'evictions': 96934, 'bypasses': 0,
+        'victims': '6789683e16945d8d', 'queue_hits': 'bebfeafd6fe2bfaa', 'occupancy': [0, 35, 1972, 0]},
+    'default_wildchat_exact_clock': {'hit_blocks': 19288, 'hits': '9e268d545973ef30', 'evictions': 69855, 'bypasses': 0,
+        'victims': '8b2484fed8477a00', 'queue_hits': '2226917cb6d43d36', 'occupancy': [0, 0, 1300, 0]},
 }
 
 
