@@ -215,6 +215,30 @@ def test_a_prefix_use_at_the_instant_of_earlier_evictions_rescores_structural_bl
     run(trace, 5, strict_temporal=True, lognormal=False, continuation_features=False, predictor=None, sample=1)
 
 
+@settings(max_examples=200, deadline=None)
+@given(now=st.floats(0, 1e9), step=st.sampled_from([0.0, saecache.CLOCK_STEP, 0.125, 1.0]),
+       horizon=st.floats(1e-3, 1e6))
+def test_the_ranking_clock_rounds_up_to_its_step(now, step, horizon):
+    """clock(now) is now itself with clock_step 0, else the least multiple of clock_step * horizon at or after now (up
+    to the division's rounding: scores clamp idle times at min_dt)."""
+    policy = SAECachePolicy(clock_step=step)
+    policy._horizon = horizon
+    at = policy.clock(now)
+    if step == 0.0:
+        assert at == now
+        return
+    q = step * horizon
+    slack = 1e-12 * max(abs(now), q)
+    assert now - slack <= at < now + q + slack
+    assert at == math.ceil(now / q) * q
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "1/128", float("nan")])
+def test_a_bad_clock_step_is_refused(bad):
+    with pytest.raises(ValueError, match="clock_step"):
+        SAECachePolicy(clock_step=bad)
+
+
 def test_a_shared_prefix_use_rescores_only_the_structural_groups():
     """Every request of mooncake_arxiv uses a shared prefix, which moves the structural groups' density and no other
     group's. So an eviction finds a new clock (every group's candidates rescored) only at a new time or after the

@@ -684,8 +684,9 @@ class SAECachePolicy(EvictionPolicy):
         return best
 
     def clock(self, now: float) -> float:
-        """The ranking's clock at ``now``: rounded up to a multiple of ``clock_step`` horizons (CLOCK_STEP; never
-        before ``now``, so no block's idle time is negative), or ``now`` itself with ``clock_step = 0``."""
+        """The ranking's clock at ``now``: rounded up to a multiple of ``clock_step`` horizons (CLOCK_STEP; not before
+        ``now`` but by the division's rounding, and a score clamps idle times at ``min_dt`` anyway), or ``now`` itself
+        with ``clock_step = 0``."""
         step = self.clock_step * self.horizon
         if 0.0 < step < math.inf:
             return float(math.ceil(now / step)) * step
