@@ -195,30 +195,19 @@ class ContinuationModel:
         same = sid[order[1:]] == sid[order[:-1]]
         prev[order[1:][same]] = order[:-1][same]
         self._prev = prev.astype(np.int32) if n < 2**31 else prev
-        # Blocks of each token-type group per request (user, assistant, tool output, system + template), in one
-        # pass over the blocks (the features' token-type mix).
-        offsets = trace.prompt_offsets
-        req_of = np.repeat(np.arange(n, dtype=np.int64), np.diff(offsets))
-        counts = np.bincount(req_of * N_TOKEN_TYPES + trace.prompt_types, minlength=n * N_TOKEN_TYPES)
-        counts = counts.reshape(n, N_TOKEN_TYPES)
-        groups = [[TokenType.USER], [TokenType.ASSISTANT], [TokenType.TOOL_OUTPUT],
-                  [TokenType.SYSTEM, TokenType.TEMPLATE]]
-        self._type_counts = np.stack([counts[:, [int(t) for t in g]].sum(axis=1) for g in groups], axis=1)
-        top = int(self._type_counts.max(initial=0))
-        self._type_counts = self._type_counts.astype(np.int16 if top < 2**15 else np.int32 if top < 2**31 else np.int64)
-        self._first_logit = None
+        first_logit = None  # the session predictor's answer for first requests (a feature), asked once each
         if self.predictor is not None:
             prepare = getattr(self.predictor, "prepare", None)
             if prepare is not None:
                 prepare(trace)
-            self._first_logit = np.zeros(n)
+            first_logit = np.zeros(n)
             for i in np.flatnonzero(turn == 1).tolist():  # each answer reads request i alone
-                self._first_logit[i] = self._predictor_logit(trace, i) / 5.0
-        # Every request's feature row, computed here at once: each is a few elementwise operations on the facts above
-        # (what a server computes in O(1) at the request's arrival), and one pass over the whole trace costs less than
+                first_logit[i] = self._predictor_logit(trace, i) / 5.0
+        # Every request's feature row, computed here at once: each is a few elementwise operations on what the request
+        # carries (what a server computes in O(1) at its arrival), and one pass over the whole trace costs less than
         # the same arithmetic a block of rows at a time inside the replay. 72 bytes a request: a tenth or less of what
         # the trace itself holds for it (8-byte keys of every prompt block). Without ``features`` none are used.
-        self._z = self._compute_rows(np.arange(n, dtype=np.int64)) if self.features else np.zeros((n, _N_FEATURES))
+        self._z = self._compute_rows(first_logit) if self.features else np.zeros((n, _N_FEATURES))
         self._zb: np.ndarray | None = None  # z @ beta, recomputed after each fit
         self._zb_from = 0
 
@@ -230,24 +219,34 @@ class ContinuationModel:
             return self._z[idx].copy()
         return np.take(self._z, idx, axis=0)  # the rows fancy indexing copies, at a quarter of its time
 
-    def _compute_rows(self, idx: np.ndarray) -> np.ndarray:
+    def _compute_rows(self, first_logit: np.ndarray | None) -> np.ndarray:
+        """Every request's feature row (module docstring), ``first_logit`` the predictor's feature (None: 0)."""
         trace = self._trace
-        pt = trace.prompt_tokens[idx]
-        prev = self._prev[idx]
+        n = len(trace)
+        pt = trace.prompt_tokens
+        prev = self._prev
         has_prev = prev >= 0
         before = np.maximum(prev, 0)
-        p_prev = np.where(has_prev, trace.prompt_tokens[before], 0)
-        gap = np.where(has_prev, trace.t[idx] - trace.t[before], 0.0)
+        p_prev = np.where(has_prev, pt[before], 0)
+        gap = np.where(has_prev, trace.t - trace.t[before], 0.0)
         offsets = trace.prompt_offsets
-        n_blocks = np.maximum(offsets[idx + 1] - offsets[idx], 1)
-        z = np.zeros((idx.size, _N_FEATURES))
+        n_blocks = np.maximum(np.diff(offsets), 1)
+        # Blocks of each token-type group per request (user, assistant, tool output, system + template), in one
+        # pass over the blocks: the token-type mix.
+        req_of = np.repeat(np.arange(n, dtype=np.int64), np.diff(offsets))
+        counts = np.bincount(req_of * N_TOKEN_TYPES + trace.prompt_types, minlength=n * N_TOKEN_TYPES)
+        counts = counts.reshape(n, N_TOKEN_TYPES)
+        groups = [[TokenType.USER], [TokenType.ASSISTANT], [TokenType.TOOL_OUTPUT],
+                  [TokenType.SYSTEM, TokenType.TEMPLATE]]
+        type_counts = np.stack([counts[:, [int(t) for t in g]].sum(axis=1) for g in groups], axis=1)
+        z = np.zeros((n, _N_FEATURES))
         z[:, 0] = np.log1p(pt) / 10.0
         z[:, 1] = np.log1p(np.maximum(pt - p_prev, 0)) / 10.0
         z[:, 2] = np.log1p(np.maximum(gap, 0.0)) / 10.0
-        np.divide(np.take(self._type_counts, idx, axis=0), n_blocks[:, None], out=z[:, 3:7])
-        z[:, 7] = self._agent_a[idx]
-        if self._first_logit is not None:
-            z[:, 8] = self._first_logit[idx]
+        np.divide(type_counts, n_blocks[:, None], out=z[:, 3:7])
+        z[:, 7] = self._agent_a
+        if first_logit is not None:
+            z[:, 8] = first_logit
         return z
 
     def fresh(self) -> ContinuationModel:
@@ -258,8 +257,7 @@ class ContinuationModel:
                               l2=self.l2, buffer=self.buffer, steps=self.steps, refit_growth=self.refit_growth,
                               timed_refit=self.timed_refit, predictor=self.predictor)
         if self._trace is not None:
-            for name in ("_trace", "_session", "_bucket", "_bucket_a", "_agent_a", "_prev", "_type_counts",
-                         "_first_logit", "_z"):
+            for name in ("_trace", "_session", "_bucket", "_bucket_a", "_agent_a", "_prev", "_z"):
                 setattr(m, name, getattr(self, name))
             m._zb, m._zb_from = None, 0
         return m
