@@ -5,7 +5,7 @@ trace, each in a new process.
 
     python benchmarks/decision_time.py [--traces wildchat,taubench,...] [--runs 5] [--warmup 1] [--capacity 0.1]
         [--policy saecache] [--against lpc] [--policy-opt KEY=VALUE ...] [--opt KEY=VALUE ...] [--repeat N]
-        [--warm] [--json FILE]
+        [--pause SECONDS] [--save-traces DIR] [--warm] [--json FILE]
 
     python benchmarks/decision_time.py --traces mooncake_arxiv,mooncake_synthetic --repeat 1,4,16 --runs 3
 
@@ -18,7 +18,9 @@ others load.
 ``--repeat N`` times each trace made N times longer at the same arrival rate (:func:`repeated`: N copies one after
 another, each with sessions and blocks of its own): what a policy's decision time does as a trace grows, where
 loading the kernels weighs less and the per-request work more. A list (``--repeat 1,4,16``) gives a row per trace and
-length, labelled ``trace xN``.
+length, labelled ``trace xN``. ``--save-traces DIR`` keeps those traces (``DIR/TRACE_xN.npz``) for ``train.py replay
+--trace``; ``--pause SECONDS`` puts the copies that much further apart (see :func:`repeated` for why hit rates on
+copies back to back need care).
 
 ``--warm`` runs the same ``train.py replay`` command in this process instead, ``--runs`` times per trace after one
 unreported call: each call's replays find the kernels loaded and the process warm, so a ratio is per-request work
@@ -32,6 +34,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -48,12 +51,18 @@ ROOT = Path(__file__).resolve().parent.parent
 TRACES = ("wildchat", "taubench", "bailian", "mooncake_arxiv", "mooncake_synthetic")
 
 
-def repeated(trace: Trace, n: int) -> Trace:
-    """``trace`` ``n`` times in a row: copy ``k`` arrives ``k`` times (the span plus one mean gap) later, with its own
-    session ids and block keys (XOR with a per-copy constant: equal keys stay equal within a copy, and copies share
-    no block, not even a system prompt, so a copy's hits are its own)."""
+def repeated(trace: Trace, n: int, pause: float = 0.0) -> Trace:
+    """``trace`` ``n`` times in a row: copy ``k`` arrives ``k`` times (the span plus one mean gap, plus ``pause``
+    seconds) later, with its own session ids and block keys (XOR with a per-copy constant: equal keys stay equal within
+    a copy, and copies share no block, not even a system prompt, so a copy's hits are its own).
+
+    Back to back (``pause`` 0) every session still going at a copy's end stops there, all at once, while the next
+    copy's start at once: a seam no real trace has, which a policy that bets on sessions continuing pays for until its
+    posteriors have decayed. A pause of an hour lets them decay first (README, "The ranking's clock has steps")."""
+    if not (math.isfinite(pause) and pause >= 0):
+        raise ValueError(f"pause must be a finite number of seconds >= 0, got {pause!r}")
     span = float(trace.t[-1] - trace.t[0]) if len(trace) else 0.0
-    step = span + (span / (len(trace) - 1) if len(trace) > 1 else 1.0)
+    step = span + (span / (len(trace) - 1) if len(trace) > 1 else 1.0) + pause
     sessions = int(trace.session.max()) + 1 if len(trace) else 0
     copies = []
     for k in range(n):
@@ -138,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", default="1", metavar="N[,N...]",
                    help="time each trace made N times longer at the same arrival rate (N copies in a row, each with "
                         "its own sessions and blocks; default 1: the trace as it is); a comma list: a row per length")
+    p.add_argument("--pause", type=float, default=0.0, metavar="SECONDS",
+                   help="with --repeat: this many seconds more between the copies (default 0: back to back, where "
+                        "every session running at a copy's end stops at once)")
+    p.add_argument("--save-traces", metavar="DIR",
+                   help="with --repeat: keep the longer traces in DIR (TRACE_xN.npz, for train.py replay --trace) "
+                        "instead of a temporary folder")
     p.add_argument("--warm", action="store_true",
                    help="time warm replays in this process (--runs calls of the command after one unreported) "
                         "instead of each run's first replay in a new process")
@@ -165,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if n not in repeats:
             repeats.append(n)
+    if not (math.isfinite(args.pause) and args.pause >= 0):
+        print(f"error: --pause must be a finite number of seconds >= 0, got {args.pause}", file=sys.stderr)
+        return 2
     if args.policy == args.against:
         print(f"error: --policy and --against are both {args.policy!r}", file=sys.stderr)
         return 2
@@ -176,6 +194,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     extra = [x for kv in args.policy_opt for x in ("--policy-opt", kv)]
     tmp = tempfile.TemporaryDirectory()
+    keep = Path(tmp.name)
+    if args.save_traces:
+        keep = Path(args.save_traces)
+        try:
+            keep.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            print(f"error: --save-traces {args.save_traces}: {e.strerror or e}", file=sys.stderr)
+            return 2
     # a row per trace and length, in that order: label -> what replay's --trace reads
     paths = {row_label(t, n): t for t in traces for n in repeats}
     if max(repeats) > 1:  # the source options went into the written traces
@@ -189,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {t}: {e}", file=sys.stderr)
                 return 2
             for n in repeats:
-                paths[row_label(t, n)] = repeated(base, n).save(Path(tmp.name) / f"{t}_x{n}.npz")
+                paths[row_label(t, n)] = repeated(base, n, args.pause).save(keep / f"{t}_x{n}.npz")
     else:
         extra += [x for kv in args.opt for x in ("--opt", kv)]
     labels = list(paths)

@@ -33,6 +33,9 @@ def run(*args: str) -> subprocess.CompletedProcess:
     (("--traces", ","), "--traces: no trace named"),
     (("--warmup", "-1"), "--warmup must be at least 0, got -1"),
     (("--policy", "lpc"), "--policy and --against are both 'lpc'"),
+    (("--pause", "-1"), "--pause must be a finite number of seconds >= 0, got -1.0"),
+    (("--pause", "nan"), "--pause must be a finite number of seconds >= 0, got nan"),
+    (("--save-traces", __file__, "--repeat", "2"), f"--save-traces {__file__}: File exists"),
     (("--traces", "no_such_trace", "--runs", "1"), "no_such_trace: say which format no_such_trace is in"),
     (("--traces", "taubench", "--runs", "1", "--policy-opt", "bogus=1"), "taubench: --policy-opt bogus: none of lpc"),
     (("--json", str(Path(__file__) / "out.json"), "--runs", "1"), "is a file, not a folder"),
@@ -93,6 +96,21 @@ def test_repeat_makes_copies_that_share_nothing():
     assert hits[1] == 3 * hits[0] > 0
 
 
+def test_a_pause_puts_the_copies_further_apart_and_nothing_else():
+    module = _module()
+    trace, _ = open_trace("mooncake_arxiv")
+    back_to_back, apart = module.repeated(trace, 3), module.repeated(trace, 3, pause=3600.0)
+    n = len(trace)
+    for k in range(3):
+        np.testing.assert_allclose(apart.t[k * n:(k + 1) * n] - back_to_back.t[k * n:(k + 1) * n], 3600.0 * k,
+                                   rtol=0, atol=1e-6)
+    for name in ("session", "prompt_keys", "output_keys", "prompt_offsets"):
+        np.testing.assert_array_equal(getattr(apart, name), getattr(back_to_back, name))
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="pause must be a finite number of seconds >= 0"):
+            module.repeated(trace, 2, pause=bad)
+
+
 def test_warm_runs_time_the_same_command_in_one_process(tmp_path):
     """--warm: the same train.py replay called --runs times in the benchmark's process after one unreported call; the
     table adds the ratio of the least times, the JSON says warm."""
@@ -122,11 +140,18 @@ def test_a_list_of_lengths_gives_a_row_per_trace_and_length(tmp_path):
     """--repeat 1,2: the trace as it is and made twice as long, one row each (``trace``, ``trace x2``), in the JSON
     under the same labels. (FIFO over LRU: their kernels are the cheapest to compile in a fresh checkout.)"""
     out = tmp_path / "lengths.json"
+    kept = tmp_path / "tiled"
     done = run("--warm", "--traces", "bailian", "--repeat", "1,2", "--runs", "1", "--policy", "fifo",
-               "--against", "lru", "--json", str(out))
+               "--against", "lru", "--json", str(out), "--save-traces", str(kept), "--pause", "600")
     assert done.returncode == 0, done.stderr
     rows = re.findall(r"^\| (bailian(?: x2)?) \| [\d.]+x \(", done.stdout, re.M)
     assert rows == ["bailian", "bailian x2"], done.stdout
     assert "`trace xN`: the trace made N times longer" in done.stdout
     saved = json.loads(out.read_text())
     assert saved["repeat"] == [1, 2] and list(saved["runs"]) == ["bailian", "bailian x2"]
+    # --save-traces kept the traces replay timed, --pause put the longer one's copies 600 s further apart
+    base, _ = open_trace("bailian")
+    tiled, _ = open_trace(str(kept / "bailian_x2.npz"))
+    assert sorted(p.name for p in kept.iterdir()) == ["bailian_x1.npz", "bailian_x2.npz"]  # every length replay read
+    assert len(tiled) == 2 * len(base)
+    np.testing.assert_allclose(tiled.t, _module().repeated(base, 2, pause=600.0).t, rtol=0, atol=0)
