@@ -183,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (math.isfinite(args.pause) and args.pause >= 0):
         print(f"error: --pause must be a finite number of seconds >= 0, got {args.pause}", file=sys.stderr)
         return 2
+    for flag, given in (("--pause", args.pause > 0), ("--save-traces", args.save_traces is not None)):
+        if given and max(repeats) == 1:  # nothing to space out or keep: the traces are read as they are
+            print(f"error: {flag} needs --repeat with a length above 1 (the traces made longer), got --repeat "
+                  f"{args.repeat}", file=sys.stderr)
+            return 2
     if args.policy == args.against:
         print(f"error: --policy and --against are both {args.policy!r}", file=sys.stderr)
         return 2

@@ -36,6 +36,8 @@ def run(*args: str) -> subprocess.CompletedProcess:
     (("--pause", "-1"), "--pause must be a finite number of seconds >= 0, got -1.0"),
     (("--pause", "nan"), "--pause must be a finite number of seconds >= 0, got nan"),
     (("--save-traces", __file__, "--repeat", "2"), f"--save-traces {__file__}: File exists"),
+    (("--pause", "60"), "--pause needs --repeat with a length above 1 (the traces made longer), got --repeat 1"),
+    (("--save-traces", "tiled", "--repeat", "1,1"), "--save-traces needs --repeat with a length above 1"),
     (("--traces", "no_such_trace", "--runs", "1"), "no_such_trace: say which format no_such_trace is in"),
     (("--traces", "taubench", "--runs", "1", "--policy-opt", "bogus=1"), "taubench: --policy-opt bogus: none of lpc"),
     (("--json", str(Path(__file__) / "out.json"), "--runs", "1"), "is a file, not a folder"),
