@@ -57,8 +57,9 @@ def repeated(trace: Trace, n: int, pause: float = 0.0) -> Trace:
     a copy, and copies share no block, not even a system prompt, so a copy's hits are its own).
 
     Back to back (``pause`` 0) every session still going at a copy's end stops there, all at once, while the next
-    copy's start at once: a seam no real trace has, which a policy that bets on sessions continuing pays for until its
-    posteriors have decayed. A pause of an hour lets them decay first (README, "The ranking's clock has steps")."""
+    copy's sessions start at once: a seam no real trace has, which a policy that bets on sessions continuing pays for
+    until its posteriors have decayed. A pause of an hour lets them decay first (README, "The ranking's clock has
+    steps")."""
     if not (math.isfinite(pause) and pause >= 0):
         raise ValueError(f"pause must be a finite number of seconds >= 0, got {pause!r}")
     span = float(trace.t[-1] - trace.t[0]) if len(trace) else 0.0
@@ -220,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {t}: {e}", file=sys.stderr)
                 return 2
             for n in repeats:
-                paths[row_label(t, n)] = repeated(base, n, args.pause).save(keep / f"{t}_x{n}.npz")
+                try:
+                    paths[row_label(t, n)] = repeated(base, n, args.pause).save(keep / f"{t}_x{n}.npz")
+                except OSError as e:  # a folder it cannot write to (--save-traces), a full disk
+                    print(f"error: {keep / f'{t}_x{n}.npz'}: {e.strerror or e}", file=sys.stderr)
+                    return 2
     else:
         extra += [x for kv in args.opt for x in ("--opt", kv)]
     labels = list(paths)
