@@ -60,8 +60,7 @@ def repeated(trace: Trace, n: int, pause: float = 0.0) -> Trace:
     copy's sessions start at once: a seam no real trace has, which a policy that bets on sessions continuing pays for
     until its posteriors have decayed. A pause of an hour lets them decay first (README, "The ranking's clock has
     steps")."""
-    if not (math.isfinite(pause) and pause >= 0):
-        raise ValueError(f"pause must be a finite number of seconds >= 0, got {pause!r}")
+    check_pause(pause)
     span = float(trace.t[-1] - trace.t[0]) if len(trace) else 0.0
     step = span + (span / (len(trace) - 1) if len(trace) > 1 else 1.0) + pause
     sessions = int(trace.session.max()) + 1 if len(trace) else 0
@@ -75,6 +74,12 @@ def repeated(trace: Trace, n: int, pause: float = 0.0) -> Trace:
         c.output_keys = trace.output_keys ^ salt
         copies.append(c)
     return concat(copies)
+
+
+def check_pause(pause: float) -> None:
+    """ValueError unless ``pause`` (seconds between tiled copies, :func:`repeated`) is finite and at least 0."""
+    if not (math.isfinite(pause) and pause >= 0):
+        raise ValueError(f"pause must be a finite number of seconds >= 0, got {pause!r}")
 
 
 def row_label(trace: str, n: int) -> str:
@@ -181,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if n not in repeats:
             repeats.append(n)
-    if not (math.isfinite(args.pause) and args.pause >= 0):
-        print(f"error: --pause must be a finite number of seconds >= 0, got {args.pause}", file=sys.stderr)
+    try:
+        check_pause(args.pause)  # before minutes of runs
+    except ValueError as e:
+        print(f"error: --{e}", file=sys.stderr)
         return 2
     for flag, given in (("--pause", args.pause > 0), ("--save-traces", args.save_traces is not None)):
         if given and max(repeats) == 1:  # nothing to space out or keep: the traces are read as they are
@@ -221,10 +228,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {t}: {e}", file=sys.stderr)
                 return 2
             for n in repeats:
+                path = keep / f"{t}_x{n}.npz"
                 try:
-                    paths[row_label(t, n)] = repeated(base, n, args.pause).save(keep / f"{t}_x{n}.npz")
+                    paths[row_label(t, n)] = repeated(base, n, args.pause).save(path)
                 except OSError as e:  # a folder it cannot write to (--save-traces), a full disk
-                    print(f"error: {keep / f'{t}_x{n}.npz'}: {e.strerror or e}", file=sys.stderr)
+                    print(f"error: {path}: {e.strerror or e}", file=sys.stderr)
                     return 2
     else:
         extra += [x for kv in args.opt for x in ("--opt", kv)]

@@ -229,11 +229,11 @@ class ContinuationModel:
         before = np.maximum(prev, 0)
         p_prev = np.where(has_prev, pt[before], 0)
         gap = np.where(has_prev, trace.t - trace.t[before], 0.0)
-        offsets = trace.prompt_offsets
-        n_blocks = np.maximum(np.diff(offsets), 1)
+        lengths = np.diff(trace.prompt_offsets)
+        n_blocks = np.maximum(lengths, 1)
         # Blocks of each token-type group per request (user, assistant, tool output, system + template), in one
         # pass over the blocks: the token-type mix.
-        req_of = np.repeat(np.arange(n, dtype=np.int64), np.diff(offsets))
+        req_of = np.repeat(np.arange(n, dtype=np.int64), lengths)
         counts = np.bincount(req_of * N_TOKEN_TYPES + trace.prompt_types, minlength=n * N_TOKEN_TYPES)
         counts = counts.reshape(n, N_TOKEN_TYPES)
         groups = [[TokenType.USER], [TokenType.ASSISTANT], [TokenType.TOOL_OUTPUT],
