@@ -77,7 +77,9 @@ def test_kill_and_resume_leaves_exactly_one_complete_wandb_run_per_cell(tmp_path
     kills and a resume it held none of the resumed cells' runs)."""
     path = _config_file(tmp_path, wandb={"mode": "offline"})
     cmd = [sys.executable, str(ROOT / "train.py"), "run", "--config", str(path), "--serial", "--no-progress"]
-    env = {**os.environ, **wandb_dirs, "PYTHONPATH": str(ROOT)}
+    # A killed process leaves its temporary folders (W&B's media and artifact folders) behind: in this test's folder.
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, **wandb_dirs, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path / "tmp")}
     runs = tmp_path / "runs" / "resume"
 
     def cells_written() -> int:

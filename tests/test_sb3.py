@@ -6,6 +6,7 @@ TypeError), PPO training, and ``evaluate_policy`` scoring our agents through :cl
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -59,9 +60,10 @@ def test_agent_policy_needs_envs_in_this_process():
         AgentPolicy(FixedAgent(), object())
 
 
-def test_readme_sb3_example_runs(capsys):
+def test_readme_sb3_example_runs(capsys, tmp_path, monkeypatch):
     """The README's SB3 example, as printed there: PPO trained on make_vec_env(n_envs=2) for 2,048 steps, then
     compared with SAECache's online learners and its defaults by evaluate_policy."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # SB3's learn() leaves a logger folder (SB3-<date>) there
     text = (ROOT / "README.md").read_text()
     code = text.split("```python\n# sb3_ppo.py\n", 1)[1].split("```", 1)[0]
     namespace: dict = {}
