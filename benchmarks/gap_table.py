@@ -17,7 +17,9 @@ several seeds and adds the mean margin with its 95 % interval per cache size. ``
 source option, e.g. WildChat's session arrival ``rate``, on the traces whose source takes it (with the seeds); a trace
 whose source does not take every option is replayed once, as shipped. ``--variant NAME:KEY=VALUE,...`` adds a column:
 SAECache (or ``policy=P``) built with those constructor options (a switch flipped, ``refit_steps``), checked by
-``--criteria`` like SAECache itself.
+``--criteria`` like SAECache itself. ``--halves`` replays each trace as two: its sessions split by when they start
+(the first half of the sessions, then the rest; :func:`sae_env.trace.session_halves`), two traces of each source that
+no default was tuned on, as shipped, for the held-out check (README, "Held out: the shipped traces in halves").
 
     python benchmarks/gap_table.py [--traces wildchat,taubench] [--capacities 0.05,0.1,0.2]
                                    [--policies lru,lpc,saecache,reuse-oracle,session-oracle,belady] [--json FILE]
@@ -28,6 +30,7 @@ SAECache (or ``policy=P``) built with those constructor options (a switch flippe
         --criteria --seeds 0,1,2,3,4 --opt rate=0.1
     python benchmarks/gap_table.py --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady --criteria \
         --variant one-step:refit_steps=1 --variant no-features:continuation_features=false
+    python benchmarks/gap_table.py --halves --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady --criteria
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from sae_env.metrics import summarize
 from sae_env.policies import make_policy, policy_names
 from sae_env.replay import Replay
 from sae_env.sources import open_trace
+from sae_env.trace import session_halves
 
 TRACES = ("wildchat", "mooncake_arxiv", "mooncake_synthetic", "taubench", "bailian")
 POLICIES = ("lru", "lpc", "saecache", "reuse-oracle", "session-oracle", "belady")
@@ -73,6 +77,11 @@ def _label(who: str) -> str:
     return "SAECache" if who == "saecache" else who
 
 
+def _cell(r: dict[str, Any]) -> str:
+    """A row's trace (and half, under --halves) and cache size, as the criteria name it."""
+    return f"{r['trace']}{' ' + r['half'] if r.get('half') else ''} {r['capacity']:.0%}"
+
+
 def margin(rate: dict[str, float], who: str = "saecache") -> float:
     """SAECache's (or a variant's) token hit rate minus the stronger of LRU and LPC, in points."""
     return 100.0 * (rate[who] - max(rate["lru"], rate["lpc"]))
@@ -88,16 +97,15 @@ def print_criteria(rows: list[dict[str, Any]], cpu: dict[str, dict[str, float]],
     wide = [r for r in base if 100 * (r["token_hit_rate"]["belady"] - r["token_hit_rate"]["lru"]) > 5]
     print(f"\n{_label(who)} minus max(LRU, LPC), points, on the traces {where} (seed 0):")
     print(f"- every cell >= -0.2: {'yes' if not below else 'no'} (worst {margin(worst['token_hit_rate'], who):+.2f} "
-          f"on {worst['trace']} at {worst['capacity']:.0%}; below -0.2: "
-          + (", ".join(f"{r['trace']} {r['capacity']:.0%} {margin(r['token_hit_rate'], who):+.2f}" for r in below)
-             or "none") + ")")
+          f"on {_cell(worst)}; below -0.2: "
+          + (", ".join(f"{_cell(r)} {margin(r['token_hit_rate'], who):+.2f}" for r in below) or "none") + ")")
     if wide:
         mean = sum(margin(r["token_hit_rate"], who) for r in wide) / len(wide)
         print(f"- mean over the {len(wide)} cells where Belady - LRU > 5 points (the traces {where}, seed 0): "
               f"{mean:+.2f} (needs >= +1.00)")
     for r in base:
         if r["trace"] == "wildchat" and abs(r["capacity"] - 0.05) < 1e-9:
-            print(f"- share of the LRU-to-Belady gap closed on wildchat at 5 %: "
+            print(f"- share of the LRU-to-Belady gap closed on {_cell(r).replace(' 5%', '')} at 5 %: "
                   f"{100 * r['gap_share'][who]:.1f} % (LPC: {100 * r['gap_share']['lpc']:.1f} %)")
     print(f"- decision time per request, CPU, kernels loaded once per process ({who} / lpc): " + ", ".join(
         f"{t} {1e6 * c[who] / c['requests']:.0f} / {1e6 * c['lpc'] / c['requests']:.0f} us = "
@@ -139,6 +147,40 @@ def parse_variants(specs: list[str] | None, policies: list[str]) -> dict[str, tu
     return out
 
 
+def _table_rows(trace: Any, name: str, half: str | None, seed: int | None, options: dict[str, Any], label: str,
+                fractions: list[float], policies: list[str], variants: dict[str, tuple[str, dict[str, Any]]],
+                args: argparse.Namespace, cpu: dict[str, dict[str, float]], header: list[str]) -> list[dict[str, Any]]:
+    """One trace's rows, a cache size each, printed as they come (the table's header before the first)."""
+    rows = []
+    columns = policies + list(variants)
+    distinct = trace.distinct_blocks()
+    for f in fractions:
+        capacity = resolve_capacity(f, distinct)
+        cells = {pol: replay_cell(trace, pol, capacity, args.window) for pol in policies}
+        cells.update({column: replay_cell(trace, policy, capacity, args.window, built_with)
+                      for column, (policy, built_with) in variants.items()})
+        rate = {pol: c[0] for pol, c in cells.items()}
+        if seed in (None, 0):
+            c = cpu.setdefault(name, {"requests": 0})
+            if args.criteria:
+                for who in ("saecache", "lpc", *variants):
+                    c[who] = c.get(who, 0.0) + cells[who][1]
+                c["requests"] += len(trace)
+        share = {pol: gap_share(rate[pol], rate["lru"], rate["belady"]) for pol in columns}
+        rows.append({"trace": name, "half": half, "seed": seed,
+                     "options": {k: v for k, v in options.items() if k != "seed"}, "capacity": f,
+                     "capacity_blocks": capacity, "token_hit_rate": rate, "gap_share": share})
+        out = [f"{100 * rate[pol]:.2f}" + ("" if share[pol] is None else f" ({round(100 * share[pol])} %)")
+               for pol in columns]
+        if args.criteria:
+            out.append(f"{margin(rate):+.2f}")
+        while header:
+            print(header.pop(0))
+        print(f"| {label} | {f:.0%} ({capacity:,}) | {100 * (rate['belady'] - rate['lru']):.2f} | "
+              + " | ".join(out) + " |", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", default=",".join(TRACES), help="embedded trace names (comma list)")
@@ -155,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", action="append", metavar="NAME:KEY=VALUE,...", help="one more column: saecache (or "
                    "policy=P) built with these constructor options, e.g. --variant no-features:continuation_features="
                    "false or --variant fast-refit:refit_steps=1 (repeatable; --criteria checks it too)")
+    p.add_argument("--halves", action="store_true", help="replay each trace as two: its sessions split by when they "
+                   "start (the first half of the sessions, then the rest), for a check on traces nothing was tuned on")
     args = p.parse_args(argv)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     try:
@@ -200,37 +244,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: --opt: {name}: {e}", file=sys.stderr)
                 return 2
             given = [f"{k}={v}" for k, v in options.items() if k != "seed"] + ([] if seed is None else [f"seed {seed}"])
-            label = f"{name} ({', '.join(given)})" if given else name
-            distinct = trace.distinct_blocks()
-            for f in fractions:
-                capacity = resolve_capacity(f, distinct)
-                cells = {pol: replay_cell(trace, pol, capacity, args.window) for pol in policies}
-                cells.update({column: replay_cell(trace, policy, capacity, args.window, built_with)
-                              for column, (policy, built_with) in variants.items()})
-                rate = {pol: c[0] for pol, c in cells.items()}
-                if seed in (None, 0):
-                    c = cpu.setdefault(name, {"requests": 0})
-                    if args.criteria:
-                        for who in ("saecache", "lpc", *variants):
-                            c[who] = c.get(who, 0.0) + cells[who][1]
-                        c["requests"] += len(trace)
-                share = {pol: gap_share(rate[pol], rate["lru"], rate["belady"]) for pol in columns}
-                rows.append({"trace": name, "seed": seed, "options": {k: v for k, v in options.items() if k != "seed"},
-                             "capacity": f, "capacity_blocks": capacity,
-                             "token_hit_rate": rate, "gap_share": share})
-                out = [f"{100 * rate[pol]:.2f}" + ("" if share[pol] is None else f" ({round(100 * share[pol])} %)")
-                       for pol in columns]
-                if args.criteria:
-                    out.append(f"{margin(rate):+.2f}")
-                while header:
-                    print(header.pop(0))
-                print(f"| {label} | {f:.0%} ({capacity:,}) | {100 * (rate['belady'] - rate['lru']):.2f} | "
-                      + " | ".join(out) + " |", flush=True)
+            if args.halves:
+                try:
+                    parts = list(zip(("early half", "late half"), session_halves(trace), strict=True))
+                except ValueError as e:
+                    print(f"error: --halves: {name}: {e}", file=sys.stderr)
+                    return 2
+            else:
+                parts = [(None, trace)]
+            for half, trace in parts:
+                label = name + (f" {half}" if half else "") + (f" ({', '.join(given)})" if given else "")
+                rows.extend(_table_rows(trace, name, half, seed, options, label, fractions, policies, variants, args,
+                                        cpu, header))
     print(f"\nToken hit rate % (share of the LRU-to-Belady gap); instant serving, window {args.window}; "
           f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
     if args.criteria:
         where = ("as shipped" if not opts else
                  "with " + ", ".join(f"{k}={v}" for k, v in opts.items()) + " where their source takes it")
+        if args.halves:
+            where = "in halves" + ("" if not opts else ", " + where)
         print_criteria(rows, cpu, where)
         for column in variants:
             print_criteria(rows, cpu, where, who=column)

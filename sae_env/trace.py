@@ -51,6 +51,7 @@ __all__ = [
     "content_hash",
     "csr_offsets",
     "mix64",
+    "session_halves",
     "token_blocks",
 ]
 
@@ -792,3 +793,17 @@ def concat(traces: Sequence[Trace], meta: dict[str, Any] | None = None) -> Trace
         out = out.take(order)
     out.validate()
     return out
+
+
+def session_halves(trace: Trace) -> tuple[Trace, Trace]:
+    """The trace's sessions in two halves by when they start: the first ``ceil(n / 2)`` of its ``n`` sessions (by
+    first arrival) with all their requests, then the other sessions with theirs. Each half keeps its requests' times
+    and order; a request of unknown session (-1) is a session of its own. Two traces of the same source, neither cut
+    inside a session: a result tuned on one can be checked on the other (``benchmarks/gap_table.py --halves``)."""
+    sid = trace.session_ids()
+    sessions, first = np.unique(sid, return_index=True)  # requests are in time order: the first index is the start
+    if sessions.size < 2:
+        raise ValueError(f"a trace needs at least two sessions to be split in halves, this one has {sessions.size}")
+    early = sessions[np.argsort(first, kind="stable")[:(sessions.size + 1) // 2]]
+    in_early = np.isin(sid, early)
+    return trace.take(np.flatnonzero(in_early)), trace.take(np.flatnonzero(~in_early))

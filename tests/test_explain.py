@@ -366,3 +366,34 @@ def test_explain_a_trace_file_in_timed_mode(tmp_path, capsys):
     result = json.loads((tmp_path / "out" / "explain.json").read_text())
     assert result["serving"] == SERVER and result["trace"] == "tiny" and result["requests"] == len(trace)
     assert "lpc on tiny" in capsys.readouterr().out
+
+
+def test_gap_table_halves(tmp_path):
+    """--halves replays each trace as its two halves by session start (each row the number of that half replayed on
+    its own) and --criteria names the half of a cell; the criteria's WildChat line is given per half."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sae_env.cache import resolve_capacity
+    from sae_env.metrics import summarize
+    from sae_env.sources import open_trace
+    from sae_env.trace import session_halves
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gap_table.py"
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, str(script), "--traces", "wildchat", "--capacities", "0.05", "--policies",
+                          "lru,lpc,saecache,belady", "--criteria", "--halves", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())
+    assert [r["half"] for r in rows] == ["early half", "late half"]
+    assert "| wildchat early half | 5% (" in run.stdout and "| wildchat late half | 5% (" in run.stdout
+    assert "on the traces in halves (seed 0)" in run.stdout
+    assert "gap closed on wildchat early half at 5 %" in run.stdout
+    trace, _ = open_trace("wildchat")
+    for row, half in zip(rows, session_halves(trace), strict=True):
+        assert row["capacity_blocks"] == resolve_capacity(0.05, half.distinct_blocks())
+        rep = Replay(half, PrefixCache(row["capacity_blocks"], make_policy("lru")), None, window_requests=200)
+        rep.run()
+        assert row["token_hit_rate"]["lru"] == summarize(rep.windows)["token_hit_rate"]

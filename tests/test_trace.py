@@ -20,6 +20,7 @@ from sae_env.trace import (
     chain_keys,
     chain_requests,
     concat,
+    session_halves,
     token_blocks,
 )
 
@@ -376,3 +377,32 @@ def test_npz_is_loaded_without_pickle(tmp_path):
     np.savez(path, header=np.array([{"format": "sae-trace"}], dtype=object))
     with pytest.raises(TraceFormatError, match="not a readable"):
         Trace.load(path)
+
+
+@given(traces())
+def test_session_halves_split_whole_sessions_by_start(trace):
+    """The halves hold every request once, in time order, each session whole in one of them; the early half holds the
+    first ceil(n / 2) sessions by first arrival (a request of unknown session is a session of its own); a trace of
+    fewer than two sessions is a ValueError."""
+    sid = trace.session_ids()
+    n = np.unique(sid).size
+    if n < 2:
+        with pytest.raises(ValueError, match="two sessions"):
+            session_halves(trace)
+        return
+    early, late = session_halves(trace)
+    assert len(early) + len(late) == len(trace)
+    for half in (early, late):
+        assert (np.diff(half.t) >= 0).all()
+    starts = {}
+    for i, s in enumerate(sid.tolist()):
+        starts.setdefault(s, i)
+    first = sorted(starts, key=starts.get)[:(n + 1) // 2]
+    in_early = np.isin(sid, first)
+    for half, mask in ((early, in_early), (late, ~in_early)):
+        idx = np.flatnonzero(mask)
+        assert np.array_equal(half.t, trace.t[idx]) and np.array_equal(half.session, trace.session[idx])
+        for j, i in enumerate(idx.tolist()):
+            for got, want in zip(half.prompt_blocks(j) + half.output_blocks(j),
+                                 trace.prompt_blocks(i) + trace.output_blocks(i), strict=True):
+                assert np.array_equal(got, want)
