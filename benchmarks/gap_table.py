@@ -18,8 +18,8 @@ source option, e.g. WildChat's session arrival ``rate``, on the traces whose sou
 whose source does not take every option is replayed once, as shipped. ``--variant NAME:KEY=VALUE,...`` adds a column:
 SAECache (or ``policy=P``) built with those constructor options (a switch flipped, ``refit_steps``), checked by
 ``--criteria`` like SAECache itself. ``--halves`` replays each trace as two: its sessions split by when they start
-(the first half of the sessions, then the rest; :func:`sae_env.trace.session_halves`), two traces of each source that
-no default was tuned on, as shipped, for the held-out check (README, "Held out: the shipped traces in halves").
+(the first half of the sessions, then the rest; :func:`sae_env.trace.session_halves`): two shorter traces of each
+source, a check of how a result carries over to other traces of it (README, "Held out: the shipped traces in halves").
 
     python benchmarks/gap_table.py [--traces wildchat,taubench] [--capacities 0.05,0.1,0.2]
                                    [--policies lru,lpc,saecache,reuse-oracle,session-oracle,belady] [--json FILE]
@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                    "policy=P) built with these constructor options, e.g. --variant no-features:continuation_features="
                    "false or --variant fast-refit:refit_steps=1 (repeatable; --criteria checks it too)")
     p.add_argument("--halves", action="store_true", help="replay each trace as two: its sessions split by when they "
-                   "start (the first half of the sessions, then the rest), for a check on traces nothing was tuned on")
+                   "start (the first half of the sessions, then the rest); how a result carries over to other traces "
+                   "of a source")
     args = p.parse_args(argv)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     try:
