@@ -77,9 +77,14 @@ def _label(who: str) -> str:
     return "SAECache" if who == "saecache" else who
 
 
+def _where(r: dict[str, Any]) -> str:
+    """A row's trace, and its half under --halves."""
+    return f"{r['trace']} {r['half']}" if r.get("half") else r["trace"]
+
+
 def _cell(r: dict[str, Any]) -> str:
-    """A row's trace (and half, under --halves) and cache size, as the criteria name it."""
-    return f"{r['trace']}{' ' + r['half'] if r.get('half') else ''} {r['capacity']:.0%}"
+    """A row's trace (and half) and cache size, as the criteria name it."""
+    return f"{_where(r)} {r['capacity']:.0%}"
 
 
 def margin(rate: dict[str, float], who: str = "saecache") -> float:
@@ -105,7 +110,7 @@ def print_criteria(rows: list[dict[str, Any]], cpu: dict[str, dict[str, float]],
               f"{mean:+.2f} (needs >= +1.00)")
     for r in base:
         if r["trace"] == "wildchat" and abs(r["capacity"] - 0.05) < 1e-9:
-            print(f"- share of the LRU-to-Belady gap closed on {_cell(r).replace(' 5%', '')} at 5 %: "
+            print(f"- share of the LRU-to-Belady gap closed on {_where(r)} at 5 %: "
                   f"{100 * r['gap_share'][who]:.1f} % (LPC: {100 * r['gap_share']['lpc']:.1f} %)")
     print(f"- decision time per request, CPU, kernels loaded once per process ({who} / lpc): " + ", ".join(
         f"{t} {1e6 * c[who] / c['requests']:.0f} / {1e6 * c['lpc'] / c['requests']:.0f} us = "
