@@ -121,13 +121,15 @@ def print_seed_summary(rows: list[dict[str, Any]], who: str = "saecache") -> Non
     """Per trace and capacity over several seeds: the mean margin and its 95 % interval."""
     from sae_env.intervals import mean_interval
 
-    keys = sorted({(r["trace"], r["capacity"]) for r in rows if r.get("seed") is not None})
+    # per trace, half (under --halves) and capacity: the halves of one seed are two cells, not two seeds
+    keys = list(dict.fromkeys((_where(r), r["capacity"]) for r in rows if r.get("seed") is not None))
     print(f"\nOver seeds, {_label(who)} minus max(LRU, LPC), points (mean [95 % interval], min):")
-    for trace, cap in keys:
-        m = [margin(r["token_hit_rate"], who) for r in rows if (r["trace"], r["capacity"]) == (trace, cap)]
+    for where, cap in keys:
+        m = [margin(r["token_hit_rate"], who) for r in rows
+             if r.get("seed") is not None and (_where(r), r["capacity"]) == (where, cap)]
         iv = mean_interval(m)
         ci = "" if iv.half is None else f" [{iv.low:+.2f}, {iv.high:+.2f}]"
-        print(f"- {trace} {cap:.0%}: {iv.mean:+.2f}{ci}, min {min(m):+.2f} over {len(m)} seeds")
+        print(f"- {where} {cap:.0%}: {iv.mean:+.2f}{ci}, min {min(m):+.2f} over {len(m)} seeds")
 
 
 def parse_variants(specs: list[str] | None, policies: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:

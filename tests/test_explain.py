@@ -397,3 +397,27 @@ def test_gap_table_halves(tmp_path):
         rep = Replay(half, PrefixCache(row["capacity_blocks"], make_policy("lru")), None, window_requests=200)
         rep.run()
         assert row["token_hit_rate"]["lru"] == summarize(rep.windows)["token_hit_rate"]
+
+
+def test_gap_table_seed_summary_keeps_halves_apart(capsys):
+    """Over seeds, the halves of one seed are two cells, not two seeds: one line per trace, half and capacity, each
+    over the seeds given, with the mean of that half's margins alone."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gap_table.py"
+    spec = importlib.util.spec_from_file_location("gap_table", script)
+    gap_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gap_table)
+
+    def row(seed, half, saecache):
+        return {"trace": "wildchat", "half": half, "capacity": 0.05, "seed": seed,
+                "token_hit_rate": {"lru": 0.10, "lpc": 0.12, "saecache": saecache}}
+
+    rows = [row(s, h, v) for s, v_early, v_late in ((0, 0.13, 0.11), (1, 0.14, 0.10), (2, 0.15, 0.09))
+            for h, v in (("early half", v_early), ("late half", v_late))]
+    gap_table.print_seed_summary(rows)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("- ")]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("- wildchat early half 5%: +2.00 [") and lines[0].endswith("min +1.00 over 3 seeds")
+    assert lines[1].startswith("- wildchat late half 5%: -2.00 [") and lines[1].endswith("min -3.00 over 3 seeds")
