@@ -206,10 +206,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     extra = [x for kv in args.policy_opt for x in ("--policy-opt", kv)]
-    tmp = tempfile.TemporaryDirectory()
-    keep = Path(tmp.name)
+    # a temporary folder only for longer traces that are not kept
+    temporary = max(repeats) > 1 and not args.save_traces
+    with tempfile.TemporaryDirectory() if temporary else contextlib.nullcontext() as tmp:
+        return _measure(args, traces, repeats, extra, Path(tmp or args.save_traces or "."))
+
+
+def _measure(args: argparse.Namespace, traces: list[str], repeats: list[int], extra: list[str], keep: Path) -> int:
+    """The runs and the table of main(), the longer traces written into ``keep``."""
     if args.save_traces:
-        keep = Path(args.save_traces)
         try:
             keep.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -263,7 +268,6 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             bar.update()
     label = args.policy + "".join(f" {kv}" for kv in args.policy_opt)
-    tmp.cleanup()
     longer = ", `trace xN`: the trace made N times longer (--repeat)" if max(repeats) > 1 else ""
     how = (f"warm replays in one process, {args.runs} call(s) per trace after one unreported" if args.warm else
            f"first replay of a process, {args.runs} run(s) per trace after {args.warmup} unreported")
