@@ -18,8 +18,9 @@ source option, e.g. WildChat's session arrival ``rate``, on the traces whose sou
 whose source does not take every option is replayed once, as shipped. ``--variant NAME:KEY=VALUE,...`` adds a column:
 SAECache (or ``policy=P``) built with those constructor options (a switch flipped, ``refit_steps``), checked by
 ``--criteria`` like SAECache itself. ``--halves`` replays each trace as two: its sessions split by when they start
-(the first half of the sessions, then the rest; :func:`sae_env.trace.session_halves`): two shorter traces of each
-source, a check of how a result carries over to other traces of it (README, "Held out: the shipped traces in halves").
+(the first half of the sessions, then the rest; ``--halves alternate``: every other session, the odd and the even
+half; :func:`sae_env.trace.session_halves`): two shorter traces of each source, a check of how a result carries over
+to other traces of it (README, "Held out: the shipped traces in halves").
 
     python benchmarks/gap_table.py [--traces wildchat,taubench] [--capacities 0.05,0.1,0.2]
                                    [--policies lru,lpc,saecache,reuse-oracle,session-oracle,belady] [--json FILE]
@@ -31,6 +32,8 @@ source, a check of how a result carries over to other traces of it (README, "Hel
     python benchmarks/gap_table.py --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady --criteria \
         --variant one-step:refit_steps=1 --variant no-features:continuation_features=false
     python benchmarks/gap_table.py --halves --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady --criteria
+    python benchmarks/gap_table.py --halves alternate --capacities 0.02,0.05,0.1,0.2 \
+        --policies lru,lpc,saecache,belady --criteria
 """
 
 from __future__ import annotations
@@ -50,9 +53,10 @@ from sae_env.metrics import summarize
 from sae_env.policies import make_policy, policy_names
 from sae_env.replay import Replay
 from sae_env.sources import open_trace
-from sae_env.trace import session_halves
+from sae_env.trace import HALF_SPLITS, session_halves
 
 TRACES = ("wildchat", "mooncake_arxiv", "mooncake_synthetic", "taubench", "bailian")
+HALF_LABELS = {"start": ("early half", "late half"), "alternate": ("odd half", "even half")}  # rows' "half"
 POLICIES = ("lru", "lpc", "saecache", "reuse-oracle", "session-oracle", "belady")
 
 
@@ -204,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", action="append", metavar="NAME:KEY=VALUE,...", help="one more column: saecache (or "
                    "policy=P) built with these constructor options, e.g. --variant no-features:continuation_features="
                    "false or --variant fast-refit:refit_steps=1 (repeatable; --criteria checks it too)")
-    p.add_argument("--halves", action="store_true", help="replay each trace as two: its sessions split by when they "
-                   "start (the first half of the sessions, then the rest); how a result carries over to other traces "
-                   "of a source")
+    p.add_argument("--halves", nargs="?", const="start", choices=HALF_SPLITS, help="replay each trace as two, its "
+                   "sessions split by when they start: the first half of the sessions, then the rest (start, the "
+                   "default), or every other one (alternate); how a result carries over to other traces of a source")
     args = p.parse_args(argv)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     try:
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             given = [f"{k}={v}" for k, v in options.items() if k != "seed"] + ([] if seed is None else [f"seed {seed}"])
             if args.halves:
                 try:
-                    parts = list(zip(("early half", "late half"), session_halves(trace), strict=True))
+                    parts = list(zip(HALF_LABELS[args.halves], session_halves(trace, args.halves), strict=True))
                 except ValueError as e:
                     print(f"error: --halves: {name}: {e}", file=sys.stderr)
                     return 2
@@ -270,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         where = ("as shipped" if not opts else
                  "with " + ", ".join(f"{k}={v}" for k, v in opts.items()) + " where their source takes it")
         if args.halves:
-            where = "in halves" + ("" if not opts else ", " + where)
+            where = ("in halves" if args.halves == "start" else "in alternate halves") + ("" if not opts else
+                                                                                          ", " + where)
         print_criteria(rows, cpu, where)
         for column in variants:
             print_criteria(rows, cpu, where, who=column)

@@ -795,15 +795,24 @@ def concat(traces: Sequence[Trace], meta: dict[str, Any] | None = None) -> Trace
     return out
 
 
-def session_halves(trace: Trace) -> tuple[Trace, Trace]:
-    """The trace's sessions in two halves by when they start: the first ``ceil(n / 2)`` of its ``n`` sessions (by
-    first arrival) with all their requests, then the other sessions with theirs. Each half keeps its requests' times
-    and order; a request of unknown session (-1) is a session of its own. Two traces of the same source, neither cut
-    inside a session: a result tuned on one can be checked on the other (``benchmarks/gap_table.py --halves``)."""
+HALF_SPLITS = ("start", "alternate")  # session_halves' ways to split a trace
+
+
+def session_halves(trace: Trace, split: str = "start") -> tuple[Trace, Trace]:
+    """The trace's sessions in two halves, each session whole in one, ordered by first arrival: ``split="start"``,
+    the first ``ceil(n / 2)`` of its ``n`` sessions, then the others (an early and a late half); ``"alternate"``, the
+    1st, 3rd, 5th ... session, then the 2nd, 4th ... (two halves over the whole span, each at about half the load).
+    Each half keeps its requests' times and order; a request of unknown session (-1) is a session of its own. Two
+    traces of the same source, neither cut inside a session: a result tuned on one can be checked on the other
+    (``benchmarks/gap_table.py --halves``). The early half ends with no new sessions and the late one starts with none
+    under way; the alternate halves have neither edge, but each is half as busy as the trace."""
+    if split not in HALF_SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(HALF_SPLITS)}")
     sid = trace.session_ids()
     sessions, first = np.unique(sid, return_index=True)  # requests are in time order: the first index is the start
     if sessions.size < 2:
         raise ValueError(f"a trace needs at least two sessions to be split in halves, this one has {sessions.size}")
-    early = sessions[np.argsort(first, kind="stable")[:(sessions.size + 1) // 2]]
+    by_start = sessions[np.argsort(first, kind="stable")]
+    early = by_start[:(sessions.size + 1) // 2] if split == "start" else by_start[0::2]
     in_early = np.isin(sid, early)
     return trace.take(np.flatnonzero(in_early)), trace.take(np.flatnonzero(~in_early))

@@ -421,3 +421,33 @@ def test_gap_table_seed_summary_keeps_halves_apart(capsys):
     assert len(lines) == 2, lines
     assert lines[0].startswith("- wildchat early half 5%: +2.00 [") and lines[0].endswith("min +1.00 over 3 seeds")
     assert lines[1].startswith("- wildchat late half 5%: -2.00 [") and lines[1].endswith("min -3.00 over 3 seeds")
+
+
+def test_gap_table_alternate_halves(tmp_path):
+    """--halves alternate: the odd and the even half of the sessions by start (not the early and the late half),
+    each row the number of that half replayed on its own."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sae_env.cache import resolve_capacity
+    from sae_env.metrics import summarize
+    from sae_env.sources import open_trace
+    from sae_env.trace import session_halves
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gap_table.py"
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, str(script), "--traces", "wildchat", "--capacities", "0.05", "--policies",
+                          "lru,belady", "--halves", "alternate", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())
+    assert [r["half"] for r in rows] == ["odd half", "even half"]
+    assert "| wildchat odd half | 5% (" in run.stdout and "| wildchat even half | 5% (" in run.stdout
+    trace, _ = open_trace("wildchat")
+    for row, half in zip(rows, session_halves(trace, "alternate"), strict=True):
+        assert row["capacity_blocks"] == resolve_capacity(0.05, half.distinct_blocks())
+        rep = Replay(half, PrefixCache(row["capacity_blocks"], make_policy("lru")), None, window_requests=200)
+        rep.run()
+        assert row["token_hit_rate"]["lru"] == summarize(rep.windows)["token_hit_rate"]
+    assert [len(h) for h in session_halves(trace, "alternate")] != [len(h) for h in session_halves(trace)]

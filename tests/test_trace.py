@@ -379,25 +379,26 @@ def test_npz_is_loaded_without_pickle(tmp_path):
         Trace.load(path)
 
 
-@given(traces())
-def test_session_halves_split_whole_sessions_by_start(trace):
-    """The halves hold every request once, in time order, each session whole in one of them; the early half holds the
-    first ceil(n / 2) sessions by first arrival (a request of unknown session is a session of its own); a trace of
-    fewer than two sessions is a ValueError."""
+@given(traces(), st.sampled_from(["start", "alternate"]))
+def test_session_halves_split_whole_sessions_by_start(trace, split):
+    """The halves hold every request once, in time order, each session whole in one of them; the first half holds the
+    first ceil(n / 2) sessions by first arrival (``start``) or the 1st, 3rd, ... (``alternate``; a request of unknown
+    session is a session of its own); a trace of fewer than two sessions is a ValueError."""
     sid = trace.session_ids()
     n = np.unique(sid).size
     if n < 2:
         with pytest.raises(ValueError, match="two sessions"):
-            session_halves(trace)
+            session_halves(trace, split)
         return
-    early, late = session_halves(trace)
+    early, late = session_halves(trace, split)
     assert len(early) + len(late) == len(trace)
     for half in (early, late):
         assert (np.diff(half.t) >= 0).all()
     starts = {}
     for i, s in enumerate(sid.tolist()):
         starts.setdefault(s, i)
-    first = sorted(starts, key=starts.get)[:(n + 1) // 2]
+    by_start = sorted(starts, key=starts.get)
+    first = by_start[:(n + 1) // 2] if split == "start" else by_start[0::2]
     in_early = np.isin(sid, first)
     for half, mask in ((early, in_early), (late, ~in_early)):
         idx = np.flatnonzero(mask)
@@ -406,3 +407,14 @@ def test_session_halves_split_whole_sessions_by_start(trace):
             for got, want in zip(half.prompt_blocks(j) + half.output_blocks(j),
                                  trace.prompt_blocks(i) + trace.output_blocks(i), strict=True):
                 assert np.array_equal(got, want)
+
+
+def test_session_halves_rejects_an_unknown_split():
+    b = TraceBuilder(block_size=1)
+    for s in range(3):
+        b.add(t=float(s), session=s, turn=1, app=AppType.CHAT, prompt_tokens=1, output_tokens=0, prompt_keys=[s],
+              prompt_types=[TokenType.USER], output_keys=[], output_types=[])
+    trace = b.build()
+    assert len(session_halves(trace, "alternate")[0]) == 2  # sessions 0 and 2
+    with pytest.raises(ValueError, match="unknown split 'random'; valid splits: start, alternate"):
+        session_halves(trace, "random")
