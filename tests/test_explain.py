@@ -368,9 +368,9 @@ def test_explain_a_trace_file_in_timed_mode(tmp_path, capsys):
     assert "lpc on tiny" in capsys.readouterr().out
 
 
-def test_gap_table_halves(tmp_path):
-    """--halves replays each trace as its two halves by session start (each row the number of that half replayed on
-    its own) and --criteria names the half of a cell; the criteria's WildChat line is given per half."""
+def _gap_table_halves(tmp_path, split: str, *extra: str) -> tuple[list, str]:
+    """gap_table.py --halves SPLIT on WildChat at 5 %: its rows and output, each row checked against the number of its
+    half replayed here under LRU."""
     import subprocess
     import sys
     from pathlib import Path
@@ -382,21 +382,39 @@ def test_gap_table_halves(tmp_path):
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "gap_table.py"
     out = tmp_path / "rows.json"
-    run = subprocess.run([sys.executable, str(script), "--traces", "wildchat", "--capacities", "0.05", "--policies",
-                          "lru,lpc,saecache,belady", "--criteria", "--halves", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, str(script), "--traces", "wildchat", "--capacities", "0.05", "--halves",
+                          split, "--json", str(out), *extra], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())
-    assert [r["half"] for r in rows] == ["early half", "late half"]
-    assert "| wildchat early half | 5% (" in run.stdout and "| wildchat late half | 5% (" in run.stdout
-    assert "on the traces in halves (seed 0)" in run.stdout
-    assert "gap closed on wildchat early half at 5 %" in run.stdout
     trace, _ = open_trace("wildchat")
-    for row, half in zip(rows, session_halves(trace), strict=True):
+    for row, half in zip(rows, session_halves(trace, split), strict=True):
         assert row["capacity_blocks"] == resolve_capacity(0.05, half.distinct_blocks())
         rep = Replay(half, PrefixCache(row["capacity_blocks"], make_policy("lru")), None, window_requests=200)
         rep.run()
         assert row["token_hit_rate"]["lru"] == summarize(rep.windows)["token_hit_rate"]
+    return rows, run.stdout
+
+
+def test_gap_table_halves(tmp_path):
+    """--halves replays each trace as its two halves by session start (each row the number of that half replayed on
+    its own) and --criteria names the half of a cell; the criteria's WildChat line is given per half."""
+    rows, text = _gap_table_halves(tmp_path, "start", "--policies", "lru,lpc,saecache,belady", "--criteria")
+    assert [r["half"] for r in rows] == ["early half", "late half"]
+    assert "| wildchat early half | 5% (" in text and "| wildchat late half | 5% (" in text
+    assert "on the traces in halves (seed 0)" in text
+    assert "gap closed on wildchat early half at 5 %" in text
+
+
+def test_gap_table_alternate_halves(tmp_path):
+    """--halves alternate: the odd and the even half of the sessions by start, not the early and the late half."""
+    from sae_env.sources import open_trace
+    from sae_env.trace import session_halves
+
+    rows, text = _gap_table_halves(tmp_path, "alternate", "--policies", "lru,belady")
+    assert [r["half"] for r in rows] == ["odd half", "even half"]
+    assert "| wildchat odd half | 5% (" in text and "| wildchat even half | 5% (" in text
+    trace, _ = open_trace("wildchat")
+    assert [len(h) for h in session_halves(trace, "alternate")] != [len(h) for h in session_halves(trace)]
 
 
 def test_gap_table_seed_summary_keeps_halves_apart(capsys):
@@ -421,33 +439,3 @@ def test_gap_table_seed_summary_keeps_halves_apart(capsys):
     assert len(lines) == 2, lines
     assert lines[0].startswith("- wildchat early half 5%: +2.00 [") and lines[0].endswith("min +1.00 over 3 seeds")
     assert lines[1].startswith("- wildchat late half 5%: -2.00 [") and lines[1].endswith("min -3.00 over 3 seeds")
-
-
-def test_gap_table_alternate_halves(tmp_path):
-    """--halves alternate: the odd and the even half of the sessions by start (not the early and the late half),
-    each row the number of that half replayed on its own."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from sae_env.cache import resolve_capacity
-    from sae_env.metrics import summarize
-    from sae_env.sources import open_trace
-    from sae_env.trace import session_halves
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gap_table.py"
-    out = tmp_path / "rows.json"
-    run = subprocess.run([sys.executable, str(script), "--traces", "wildchat", "--capacities", "0.05", "--policies",
-                          "lru,belady", "--halves", "alternate", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    rows = json.loads(out.read_text())
-    assert [r["half"] for r in rows] == ["odd half", "even half"]
-    assert "| wildchat odd half | 5% (" in run.stdout and "| wildchat even half | 5% (" in run.stdout
-    trace, _ = open_trace("wildchat")
-    for row, half in zip(rows, session_halves(trace, "alternate"), strict=True):
-        assert row["capacity_blocks"] == resolve_capacity(0.05, half.distinct_blocks())
-        rep = Replay(half, PrefixCache(row["capacity_blocks"], make_policy("lru")), None, window_requests=200)
-        rep.run()
-        assert row["token_hit_rate"]["lru"] == summarize(rep.windows)["token_hit_rate"]
-    assert [len(h) for h in session_halves(trace, "alternate")] != [len(h) for h in session_halves(trace)]
