@@ -209,11 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     # a temporary folder only for longer traces that are not kept
     temporary = max(repeats) > 1 and not args.save_traces
     with tempfile.TemporaryDirectory() if temporary else contextlib.nullcontext() as tmp:
-        return _measure(args, traces, repeats, extra, Path(tmp or args.save_traces or "."))
+        folder = tmp or args.save_traces
+        return _measure(args, traces, repeats, extra, Path(folder) if folder else None)
 
 
-def _measure(args: argparse.Namespace, traces: list[str], repeats: list[int], extra: list[str], keep: Path) -> int:
-    """The runs and the table of main(), the longer traces written into ``keep``."""
+def _measure(args: argparse.Namespace, traces: list[str], repeats: list[int], extra: list[str],
+             keep: Path | None) -> int:
+    """The runs and the table of main(), the longer traces written into ``keep`` (None: no --repeat above 1)."""
     if args.save_traces:
         try:
             keep.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ from sae_env.inputs import TraceFormatError, brief, check_input_file, open_text
 from sae_env.keys import chain_keys, content_hash, mix64
 
 __all__ = [
+    "HALF_SPLITS",
     "MAX_TIME_S",
     "MAX_TOKENS",
     "MAX_TURN",
