@@ -318,6 +318,18 @@ class ContinuationModel:
         x = _logit(min(max(r, P_CLIP), 1.0 - P_CLIP)) + float(zb[i - self._zb_from])
         return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
 
+    def p_many(self, idx: np.ndarray) -> np.ndarray:
+        """:meth:`p` of the requests ``idx`` at once (float64), without moving the block of ``z @ beta`` that
+        :meth:`p` reads: SAECache's ``rebin`` asks about many scattered earlier requests at a time. The same
+        arithmetic in numpy, so a value may differ from :meth:`p`'s in its last bits."""
+        idx = np.asarray(idx, dtype=np.int64)
+        r = np.asarray(self._rates)[self._bucket_a[idx]]
+        if not self.features:
+            return r
+        r = np.clip(r, P_CLIP, 1.0 - P_CLIP)
+        x = np.log(r / (1.0 - r)) + self.feature_rows(idx) @ self.beta
+        return 1.0 / (1.0 + np.exp(-np.maximum(x, -700.0)))
+
     def zb_at(self, i: int) -> np.ndarray:
         """``z @ beta`` of the block of requests from ``i`` (1024 of them, fewer at the trace's end), kept for
         :meth:`p` until a fit or a request outside it: computed a block at a time, as the same floats whatever

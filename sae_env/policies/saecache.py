@@ -64,7 +64,10 @@ ended only once idle past the horizon, not already once the posterior that it is
 weighed by what a hit on it saves, the prefill FLOPs of recomputing it, ``1 + context / value_context`` under the
 roofline, binned in quarter octaves; for TTFT on long prompts, at some cost in token hits; ``value_context``, in
 tokens, defaults to the paper's model's, Qwen2.5-1.5B's 15,234: give another model's ``N / (2 L d)``),
-``type_weights`` (off: w = 1), ``adaptive_alpha`` (off:
+``rebin`` (on: at every refit, every ``REFIT_EVERY`` arrivals, each evictable chat or agent block moves to the
+continuation bin of the request that released it as the continuation model sees that request *now*, a parked one when
+it returns; off: a block keeps the bin the model gave its request at the request's arrival, when the model knew less;
+the Python engine only), ``type_weights`` (off: w = 1), ``adaptive_alpha`` (off:
 alpha = 1), ``lognormal`` (off: exponential gaps), ``position_decay`` (off: no offset term), ``multi_queue`` (off: one
 temporal queue, no PE priority), ``predictor`` (the paper's ranking: off routes first requests by rule only; under the
 continuation model a predictor is one of its features). With every switch off the policy evicts in LRU order (a test
@@ -94,7 +97,7 @@ from typing import Any
 import numpy as np
 
 from sae_env.block import TYPE_SLOTS, Block, split_queue_type
-from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, QUEUES, ST, Arrivals, Predictor, slot_p
+from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, QUEUES, ST, Arrivals, Predictor, slot_of, slot_p
 from sae_env.policies.base import EvictionPolicy, ParamSpec, block_array
 from sae_env.policies.survival import ExponentialGaps, LognormalGaps
 from sae_env.serving.hardware import GPUS, MODELS
@@ -197,7 +200,8 @@ class SAECachePolicy(EvictionPolicy):
                  position_decay: bool = False, multi_queue: bool = True, predictor: Predictor | bool | None = None,
                  continuation: bool = True, density: bool = True, continuation_features: bool = True,
                  censoring: bool = True, timed_refit: bool = True, posterior_end: bool = True,
-                 pe_routing: bool = False, hit_value: bool = False, continue_threshold: float = 0.5, sample: int = 8,
+                 pe_routing: bool = False, hit_value: bool = False, rebin: bool = False,
+                 continue_threshold: float = 0.5, sample: int = 8,
                  min_dt: float = 1e-3, refit_steps: int = 2, refit_growth: float = 0.5,
                  value_context: float | None = None, clock_step: float = CLOCK_STEP,
                  params: dict[str, float] | None = None) -> None:
@@ -214,7 +218,7 @@ class SAECachePolicy(EvictionPolicy):
                  "position_decay": position_decay, "multi_queue": multi_queue, "continuation": continuation,
                  "density": density, "continuation_features": continuation_features, "censoring": censoring,
                  "timed_refit": timed_refit, "posterior_end": posterior_end, "pe_routing": pe_routing,
-                 "hit_value": hit_value}
+                 "hit_value": hit_value, "rebin": rebin}
         for name, value in flags.items():  # bool("false") is True: a typo must not flip a switch on silently
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"saecache: {name} must be true or false, got {value!r}")
@@ -225,6 +229,15 @@ class SAECachePolicy(EvictionPolicy):
         self._continuation, self._density = self.switches["continuation"], self.switches["density"]
         self._decay = self.switches["position_decay"]
         self._valued = self.switches["hit_value"]
+        self._rebin = self.switches["rebin"]
+        if self._rebin and not (self._continuation and self._density):
+            raise ValueError("saecache: rebin moves blocks between continuation bins, which exist only with the "
+                             "continuation model and the hit density (continuation=True, density=True)")
+        # rebin: the request that last released each cached chat or agent block, and each such request's bin as the
+        # continuation model saw it at the last rebinning (see _rebin_blocks)
+        self._released_by: dict[Block, int] = {}
+        self._bin_now: dict[int, int] = {}
+        self._completing = -1  # the request whose blocks the next release frees (set by on_complete)
         if value_context is None:
             value_context = _VALUE_CONTEXT
         if isinstance(value_context, bool) or not isinstance(value_context, (int, float)) \
@@ -391,6 +404,7 @@ class SAECachePolicy(EvictionPolicy):
             ctx = (arrivals.session_queue(trace, i), self._slot)
         self._output_queue, self._slot = ctx
         self._n_prompt = arrivals.n_prompt_of[i]
+        self._completing = i
 
     def on_insert(self, block: Block, now: float) -> None:
         t = block.type
@@ -411,7 +425,12 @@ class SAECachePolicy(EvictionPolicy):
     # -- recency lists -----------------------------------------------------------------------------------------
     def _group(self, b: Block) -> int:
         if (b.queue == CH or b.queue == AG) and b.pdata is not None:
-            return b.pdata  # set at the block's release: its releasing request's continuation bin
+            g = b.pdata  # set at the block's release: its releasing request's continuation bin
+            if self._rebin:  # or that request's bin at the last rebinning, if it came before it
+                slot = self._bin_now.get(self._released_by.get(b, -1))
+                if slot is not None:
+                    g += (slot - g % VALUE_STRIDE // _SLOT) * _SLOT
+            return g
         return b.queue * TYPE_SLOTS + (b.type if self._typed else 0)  # queue_type_code, inlined: per eviction
 
     def _list(self, g: int) -> _RecencyList:
@@ -469,6 +488,11 @@ class SAECachePolicy(EvictionPolicy):
                 stamps.append(seq)
                 members.append(b)
         self._released = seq
+        if self._rebin:
+            by, i = self._released_by, self._completing
+            for b in blocks:
+                if b.queue == CH or b.queue == AG:
+                    by[b] = i
         if seq > self._compact_at:
             self._compact()
 
@@ -498,6 +522,8 @@ class SAECachePolicy(EvictionPolicy):
                 return  # still in its list, where it is now a leaf
             s = block.stamp = -s  # parked by a scan: it competes again with its release stamp
         g = self._group(block)
+        if self._rebin and (block.queue == CH or block.queue == AG):
+            block.pdata = g  # a parked block takes its request's bin of the last rebinning only now
         heap = self._returned.get(g)
         if heap is None:
             heap = self._returned[g] = []
@@ -758,11 +784,13 @@ class SAECachePolicy(EvictionPolicy):
         """Forget the victim (its list or heap entry is dead now) and note its parent as the likely next one."""
         self._occupancy[victim.queue] -= 1
         victim.stamp = 0
+        if self._rebin:
+            self._released_by.pop(victim, None)
         parent = victim.parent
         if parent is not None and parent.queue == victim.queue:
             q = victim.queue
-            if q == CH or q == AG:  # their group is in pdata, set at release
-                same = parent.pdata == victim.pdata
+            if q == CH or q == AG:  # their group is in pdata, set at release (rebin: a parked one's when it returns)
+                same = (self._group(parent) if self._rebin else parent.pdata) == victim.pdata
             else:  # a sampled structural group weighs each block's offset: its parent scores apart
                 same = not (q == ST and self._st_sampled) and (not self._typed or parent.type == victim.type)
             if same:
@@ -804,7 +832,40 @@ class SAECachePolicy(EvictionPolicy):
             self._window_t0 = now
         if self._ins_rate:
             self._horizon = self.cache.capacity / self._ins_rate
+        if self._rebin:
+            self._rebin_blocks()
         self._changed()
+
+    def _rebin_blocks(self) -> None:
+        """``rebin``: every evictable chat or agent block moves to the continuation bin of its releasing request as the
+        model sees that request now (the model learns as the replay goes, and a bin chosen at a request's arrival
+        stays what the model then knew); parked blocks take theirs when they return (_group). The lists are rebuilt
+        in release order, so each group's order stays exact."""
+        self._flush()
+        self._next_up = None
+        by = self._released_by
+        if not by:
+            return
+        reqs = np.unique(np.fromiter(by.values(), dtype=np.int64, count=len(by)))
+        reqs = reqs[reqs >= 0]
+        p = self.arrivals.model.p_many(reqs)
+        self._bin_now = dict(zip(reqs.tolist(), [slot_of(x) for x in p.tolist()], strict=True))
+        moved: dict[int, list[tuple[int, Block]]] = {}
+        for g in [g for g in self._lists if _queue_of(g) in (CH, AG)]:
+            live = self._lists.pop(g).live()
+            live += [(e[0], e[2]) for e in self._returned.pop(g, ()) if e[2].stamp == e[0] and not e[2].pins
+                     and not e[2].n_children]
+            self._returned_new.pop(g, None)
+            self._cand.pop(g, None)
+            self._held.pop(g, None)
+            for s, b in live:
+                b.pdata = self._group(b)
+                moved.setdefault(b.pdata, []).append((s, b))
+        for g, entries in moved.items():
+            entries.sort(key=lambda e: e[0])
+            self._lists[g] = _RecencyList([s for s, _ in entries], [b for _, b in entries])
+            self._dirty.add(g)
+        self._stale = True
 
     def _changed(self) -> None:
         """Ranking constants moved: every group's constants and scores are computed again."""
@@ -861,6 +922,11 @@ class SAECachePolicy(EvictionPolicy):
                "inflight_queue": np.array([q for q, _ in inflight.values()], dtype=np.int64),
                "inflight_slot": np.array([s for _, s in inflight.values()], dtype=np.int64),
                **self.arrivals.export_state()}
+        if self._rebin:
+            by, bins = self._released_by, self._bin_now
+            out["released_by"] = block_array(blocks, index, by.get, default=-1)
+            out["rebin_requests"] = np.fromiter(bins.keys(), dtype=np.int64, count=len(bins))
+            out["rebin_bins"] = np.fromiter(bins.values(), dtype=np.int64, count=len(bins))
         if self.switches["position_decay"]:  # a structural block's relative offset (unused otherwise)
             out["offset"] = block_array(blocks, index, lambda b: b.pdata if b.queue == ST else None, np.float64)
         return out
@@ -870,6 +936,9 @@ class SAECachePolicy(EvictionPolicy):
             return None if math.isnan(x) else float(x)
 
         offsets = state["offset"].tolist() if "offset" in state else [None] * len(blocks)
+        if self._rebin:  # before _group places any block
+            self._released_by = {b: i for b, i in zip(blocks, state["released_by"].tolist(), strict=True) if i >= 0}
+            self._bin_now = dict(zip(state["rebin_requests"].tolist(), state["rebin_bins"].tolist(), strict=True))
         for b, stamp, g, x in zip(blocks, state["stamp"].tolist(), state["group"].tolist(), offsets, strict=True):
             b.stamp = stamp
             b.pdata = (g if g >= 0 else None) if b.queue in (CH, AG) else (x if b.queue == ST else None)
