@@ -1057,10 +1057,10 @@ def test_rebin_state_round_trips():
     assert (exported["released_by"] >= 0).any() and exported["rebin_requests"].size
     copy = PrefixCache(cache.capacity, SAECachePolicy(rebin=True))
     copy.policy.bind(trace)
-    copy.policy.import_state(exported, import_cache(copy, state))
+    copied = import_cache(copy, state)
+    copy.policy.import_state(exported, copied)
     copy.check_invariants()
-    again = copy.policy.export_state({b.key: i for i, b in enumerate(import_cache(PrefixCache(cap, SAECachePolicy()),
-                                                                                  state))})
+    again = copy.policy.export_state({b.key: i for i, b in enumerate(copied)})
     for k, v in exported.items():
         assert np.array_equal(np.asarray(v), np.asarray(again[k]), equal_nan=True), k
     now = float(trace.t[cut - 1]) + 1.0

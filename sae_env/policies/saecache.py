@@ -850,20 +850,15 @@ class SAECachePolicy(EvictionPolicy):
         reqs = reqs[reqs >= 0]
         p = self.arrivals.model.p_many(reqs)
         self._bin_now = dict(zip(reqs.tolist(), [slot_of(x) for x in p.tolist()], strict=True))
-        moved: dict[int, list[tuple[int, Block]]] = {}
+        temporal = sorted((b for b in self._evictable() if b.queue == CH or b.queue == AG), key=lambda b: b.stamp)
         for g in [g for g in self._lists if _queue_of(g) in (CH, AG)]:
-            live = self._lists.pop(g).live()
-            live += [(e[0], e[2]) for e in self._returned.pop(g, ()) if e[2].stamp == e[0] and not e[2].pins
-                     and not e[2].n_children]
-            self._returned_new.pop(g, None)
-            self._cand.pop(g, None)
-            self._held.pop(g, None)
-            for s, b in live:
-                b.pdata = self._group(b)
-                moved.setdefault(b.pdata, []).append((s, b))
-        for g, entries in moved.items():
-            entries.sort(key=lambda e: e[0])
-            self._lists[g] = _RecencyList([s for s, _ in entries], [b for _, b in entries])
+            for held in (self._lists, self._returned, self._returned_new, self._cand, self._held):
+                held.pop(g, None)
+        for b in temporal:  # in release order: each group's list is rebuilt in order
+            b.pdata = g = self._group(b)
+            lst = self._list(g)
+            lst.stamps.append(b.stamp)
+            lst.blocks.append(b)
             self._dirty.add(g)
         self._stale = True
 
