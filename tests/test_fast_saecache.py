@@ -11,6 +11,9 @@ run fall back to the Python engine with the reason.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from unittest.mock import patch
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -20,9 +23,10 @@ from test_saecache import session_traces, tiny
 
 from sae_env import data
 from sae_env.cache import PrefixCache
+from sae_env.fast_engine import saecache as fast_sae
 from sae_env.fast_engine import treap
 from sae_env.fast_engine.twin import twin_class
-from sae_env.policies import make_policy, saecache
+from sae_env.policies import arrivals, make_policy, saecache
 from sae_env.replay import Replay
 from sae_env.serving import make_server
 from sae_env.sources import open_trace
@@ -57,7 +61,7 @@ def both(trace: Trace, capacity: int, server=None, options=None, policy="saecach
     return runs[0], runs[1]
 
 
-PER_BLOCK = ("stamp", "where", "group", "offset")
+PER_BLOCK = ("stamp", "where", "group", "offset", "released_by")
 POSITIONS = ("next_up", "deferred")
 
 
@@ -250,6 +254,52 @@ def test_parameters_set_between_windows_agree():
     assert_same_windows(*runs)
 
 
+# rebin (SAECachePolicy._rebin_blocks): every REFIT_EVERY arrivals the kernel stops before the refitting request, the
+# twin asks the model for the bins of the cached blocks' releasing requests, and the kernel moves the blocks.
+REBIN = {"continuation": True, "density": True, "rebin": True}
+
+
+@contextmanager
+def refit_every_3():
+    """A refit every 3 arrivals on both engines: the twin then runs the Python arrivals (the compiled ones keep the
+    constant they were compiled with), the kernel reads the refits from their rows."""
+    with patch.object(arrivals, "REFIT_EVERY", 3), patch.object(fast_sae, "REFIT_EVERY", 3), \
+            patch.object(fast_sae, "compiled", lambda _: None):
+        yield
+
+
+@settings(max_examples=40, deadline=None, report_multiple_bugs=False)
+@given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 7),
+       ghosts=st.sampled_from([None, 0, 2]), outputs=st.booleans(), timed=st.booleans(), options=switches)
+def test_session_traces_agree_with_rebin(trace, capacity, window, ghosts, outputs, timed, options):
+    """A refit every 3 arrivals, so that these short traces rebin many times, instant and timed (timed: the kernel's
+    stop settles the completions due before the refitting arrival, as one call would)."""
+    with refit_every_3():
+        py, fast = both(trace, capacity, {"preset": SERVER, "token_budget": 16} if timed else None,
+                        options={**options, **REBIN}, window_requests=window, ghost_capacity=ghosts,
+                        cache_outputs=outputs)
+    assert_same_windows(py, fast)
+
+
+@pytest.mark.parametrize("trace_name", ["wildchat", "mooncake_synthetic", "taubench", "real_chat"])
+def test_embedded_real_traces_agree_with_rebin(trace_name):
+    """Real traces, instant at two capacities and timed: the same hits as the Python policy's rebin, and not the
+    hits without it (blocks moved)."""
+    trace = real(trace_name, 600)
+    moved = asked = False
+    for fraction in (0.02, 0.1):
+        capacity = max(1, int(fraction * trace.distinct_blocks()))
+        py, fast = both(trace, capacity, options=REBIN, window_requests=200)
+        assert_same_windows(py, fast)
+        asked |= fast._fast.twin._asked.size > 0  # it asked the model about the releasing requests
+        plain = Replay(trace, PrefixCache(capacity, make_policy("saecache")), window_requests=200)
+        plain.run()
+        moved |= [w.hit_blocks for w in plain.windows] != [w.hit_blocks for w in fast.windows]
+    assert asked and moved
+    py, fast = both(trace, max(1, int(0.05 * trace.distinct_blocks())), SERVER, options=REBIN, window_requests=100)
+    assert_same_windows(py, fast)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the state contract
 
@@ -289,6 +339,15 @@ def test_timed_hand_over_both_ways_after_any_window(trace, capacity, window, sto
                    window_requests=window)
     assert moved.engine == "fast"
     hand_over(ref, moved, stops, contract_state, timed=True)
+
+
+@settings(max_examples=30, deadline=None, report_multiple_bugs=False)
+@given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 6),
+       stops=st.lists(st.integers(0, 8), min_size=1, max_size=3), options=switches)
+def test_hand_over_both_ways_with_rebin(trace, capacity, window, stops, options):
+    """Each block's releasing request and the bins of the last rebinning move both ways."""
+    with refit_every_3():
+        hand_over_policy("saecache", trace, capacity, window, stops, {**options, **REBIN})
 
 
 def test_hand_over_on_a_real_trace():
@@ -398,7 +457,7 @@ def test_treap_orders_slots_like_a_sorted_list(ops, probes):
 def test_auto_takes_the_compiled_engine_for_the_default_and_the_paper_and_falls_back_for_the_rest():
     trace = real("wildchat", 50)
     for name, options in (("saecache", {}), ("saecache-paper", {}), ("saecache", {"density": False}),
-                          ("saecache", {"hit_value": True})):
+                          ("saecache", {"hit_value": True}), ("saecache", {"rebin": True})):
         assert Replay(trace, PrefixCache(20, make_policy(name, **options))).engine == "fast"
     for name, options, words in (("saecache-paper", {"lognormal": False}, "exponential"),
                                  ("saecache", {"lognormal": False}, "exponential"),

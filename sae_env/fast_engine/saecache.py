@@ -55,12 +55,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sae_env.fast_engine import treap as tp
-from sae_env.fast_engine.arrivals import compiled
+from sae_env.fast_engine.arrivals import ARRIVALS, compiled
 from sae_env.fast_engine.jit import implements, inline, jit
-from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QUEUE
+from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QUEUE, N
 from sae_env.fast_engine.treap import GROUP, STAMP, WHERE
 from sae_env.fast_engine.twin import Twin, register
-from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, ST, slot_p
+from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, REFIT_EVERY, ST, slot_of, slot_p
 from sae_env.policies.saecache import (
     GROUP_SLOT,
     VALUE_STRIDE,
@@ -90,9 +90,11 @@ BOUND_MARGIN = 1.0 - 1e-6
 # horizon are known, multi_queue, type_weights, the request context (prompt and output queue, bin, prompt blocks,
 # reasoning output), then the ranking's switches: the hit density, sampled structural groups, position decay; last, the
 # group a scan chose last (scanned first: the least score found early lets the bounds skip more groups; -1: none),
-# whether a chat or agent block's group carries its value bin (hit_value).
+# whether a chat or agent block's group carries its value bin (hit_value); whether rebin is on, and the request the
+# last completion served (whose blocks the next release frees: SAECachePolicy._completing).
 SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
-    MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED = range(24)
+    MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED, REBIN, COMPLETING = range(26)
+NOT_RELEASED = -2  # rebin: a slot's releasing request when none (-1: released before any completion)
 # Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
 # structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity,
 # the position decay's power gamma, the ranking clock's step as a fraction of the horizon (clock_step).
@@ -142,6 +144,10 @@ class SAEState(NamedTuple):
     hstamp: np.ndarray  # int64 ... and their release stamps then
     si: np.ndarray
     sf: np.ndarray
+    # rebin (one entry each when off): the request that last released each slot's block (NOT_RELEASED: none), and each
+    # request's continuation bin as the model saw it at the last rebinning (0: it was not asked then)
+    relby: np.ndarray  # int32 per slot
+    bslot: np.ndarray  # int8 per request
 
 
 # -- the groups' sets ------------------------------------------------------------------------------------------------
@@ -233,8 +239,23 @@ def _return(ps, rec, s):
         if rec[s, STAMP] > 0:
             return
         rec[s, STAMP] = -rec[s, STAMP]
+    elif ps.si[REBIN] and (rec[s, QUEUE] == CH or rec[s, QUEUE] == AG):
+        rec[s, GROUP] = _current_group(ps, rec, s)  # a parked block takes its request's bin of the last rebinning
     _add(ps, rec, s, 2)
     ps.gi[G_DIRTY, rec[s, GROUP]] = 1
+
+
+@inline
+def _current_group(ps, rec, s):
+    """SAECachePolicy._group of a chat or agent block under rebin: its group at release (or at its last move), in
+    the bin its releasing request had at the last rebinning if that request was asked then."""
+    g = rec[s, GROUP]
+    r = ps.relby[s]
+    if g >= 0 and r >= 0:
+        k = ps.bslot[r]
+        if k > 0:
+            g += (k - g % N_GROUPS // GROUP_SLOT) * GROUP_SLOT
+    return g
 
 
 class Sets(NamedTuple):
@@ -245,12 +266,14 @@ class Sets(NamedTuple):
     root: np.ndarray
     gi: np.ndarray
     si: np.ndarray
+    relby: np.ndarray
+    bslot: np.ndarray
 
 
 @inline
 def sets(ps):
     """The Sets of state ``ps`` (the same arrays)."""
-    return Sets(ps.root, ps.gi, ps.si)
+    return Sets(ps.root, ps.gi, ps.si, ps.relby, ps.bslot)
 
 
 @jit
@@ -560,6 +583,45 @@ def _changed(ps):
     ps.si[CAND_OK] = 0
 
 
+@jit
+def _rebin_blocks(ps, rec, n):
+    """SAECachePolicy._rebin_blocks: every evictable chat or agent block (of slots ``0 .. n-1``) moves to its
+    current group (_current_group: at_stop wrote the bins of the requests that released the cached blocks, as the
+    model sees them at this arrival) and into its group's list, as the Python policy rebuilds its lists. Only the
+    blocks whose place changes move; the treap's order is the lists' order, so nothing else is needed. A rare call
+    (every REFIT_EVERY arrivals): compiled apart, not inlined into the kernel."""
+    _flush(ps, rec)
+    ps.si[NEXT_UP] = -1
+    relby = ps.relby
+    released = False
+    for s in range(n):
+        if relby[s] != NOT_RELEASED:
+            released = True
+            break
+    if not released:  # as the Python policy: its dict of releasing requests is empty, nothing moves
+        return
+    gi, gl = ps.gi, ps.gl
+    temporal = np.zeros(gi.shape[1], dtype=np.bool_)
+    for g in range(gi.shape[1]):
+        q = (g % GROUP_SLOT) // _TYPES
+        if q == CH or q == AG:
+            temporal[g] = True
+            gi[G_FRESH, g] = 0  # their candidates are searched again: _remove and _add leave them alone
+    for s in range(n):
+        if rec[s, WHERE] != 0 and temporal[rec[s, GROUP]]:
+            g = _current_group(ps, rec, s)
+            if g != rec[s, GROUP] or rec[s, WHERE] != 1:
+                _remove(ps, rec, s)
+                rec[s, GROUP] = g
+                _add(ps, rec, s, 1)
+    for g in range(gi.shape[1]):
+        if temporal[g]:
+            gi[G_FRESH, g] = 0
+            gi[G_DIRTY, g] = 1
+            gl[G_EPOCH, g] = -1
+    ps.si[STALE] = 1
+
+
 # -- hooks -------------------------------------------------------------------------------------------------------
 @implements(SAEState, "on_request")
 def _request(ps, c, j, now):
@@ -580,6 +642,8 @@ def _request(ps, c, j, now):
         if si[HAS_RATE] and sf[INS_RATE] != 0.0:
             sf[HORIZON] = sf[CAPACITY] / sf[INS_RATE]
             si[HAS_HOR] = 1
+        if si[REBIN]:
+            _rebin_blocks(ps, c.rec, c.sc[N])
         _changed(ps)
     q = ps.req[R_Q, j]
     ps.req[R_LIVE, j] = 1
@@ -598,6 +662,7 @@ def _request(ps, c, j, now):
 @implements(SAEState, "on_complete")
 def _complete(ps, c, j, now):
     si = ps.si
+    si[COMPLETING] = j
     si[OREASON] = ps.req[R_REASON, j]
     if ps.req[R_LIVE, j]:
         ps.req[R_LIVE, j] = 0
@@ -657,6 +722,7 @@ def _release(ps, c, path, i0, i1, now):
     seq = si[SEQ]
     slot = si[SLOT] * GROUP_SLOT
     typed = si[TYPED]
+    by = si[COMPLETING] if si[REBIN] else NOT_RELEASED
     for i in range(i1 - 1, i0 - 1, -1):
         s = path[i]
         seq += 1
@@ -667,6 +733,8 @@ def _release(ps, c, path, i0, i1, now):
             g += slot
             if si[VALUED]:
                 g += N_GROUPS * ps.vbin[rec[s, DEPTH]]
+            if by != NOT_RELEASED:
+                ps.relby[s] = by
         rec[s, GROUP] = g
         if rec[s, NCHILD] == 0 or (q == ST and si[SAMPLED]):  # a sampled structural group lists inner nodes too
             _add(ps, rec, s, 1)
@@ -697,10 +765,12 @@ def _take(ps, c, v):
     if rec[v, WHERE] != 0:
         _remove(ps, rec, v)
     rec[v, STAMP] = 0
+    if si[REBIN]:
+        ps.relby[v] = NOT_RELEASED
     p = rec[v, PARENT]
     if p >= 0 and rec[p, QUEUE] == q:
-        if q == CH or q == AG:
-            same = rec[p, GROUP] == rec[v, GROUP]
+        if q == CH or q == AG:  # rebin: the parent's group if it returned now
+            same = (_current_group(ps, rec, p) if si[REBIN] else rec[p, GROUP]) == rec[v, GROUP]
         else:  # a sampled structural group weighs each block's offset: its parent scores apart
             same = not (q == ST and si[SAMPLED]) and (not si[TYPED] or rec[p, BTYPE] == rec[v, BTYPE])
         if same:
@@ -761,8 +831,6 @@ class SAECacheTwin(Twin):
             return "saecache: exponential gaps (lognormal=False) have no compiled engine"
         if sw["density"] and sw["position_decay"]:
             return "saecache: position decay under the hit density (density=True) has no compiled engine"
-        if sw["rebin"]:
-            return "saecache: rebin (blocks moved to their request's current continuation bin) has no compiled engine"
         return None
 
     def load(self, state: dict[str, Any], n: int, core: Any) -> None:
@@ -780,8 +848,8 @@ class SAECacheTwin(Twin):
         win_t0, has_t0 = _opt(state["window_t0"])
         cand_now, cand_ok = _opt(state["cand_now"])
         sampled = not sw["density"] or sw["position_decay"]  # as SAECachePolicy._st_sampled
-        si = np.zeros(24, dtype=np.int64)
-        si[LAST_G] = -1
+        si = np.zeros(26, dtype=np.int64)
+        si[LAST_G], si[REBIN], si[COMPLETING] = -1, sw["rebin"], -1
         si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
             TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, VALUED]] = [
             state["released"], state["next_up"], state["next_stamp"], state["deferred"], state["stale"], cand_ok,
@@ -814,7 +882,16 @@ class SAECacheTwin(Twin):
             coef=np.zeros(groups // N_GROUPS * GROUP_SLOT), vbin=vbin, root=np.full(1, -1, dtype=np.int64), qn=qn,
             offset=np.zeros(core.rec.shape[0] if sampled else 1),
             hslot=np.zeros((N_ST, 2 * policy.sample), dtype=np.int32),
-            hstamp=np.zeros((N_ST, 2 * policy.sample), dtype=np.int64), si=si, sf=sf)
+            hstamp=np.zeros((N_ST, 2 * policy.sample), dtype=np.int64), si=si, sf=sf,
+            relby=np.full(core.rec.shape[0] if sw["rebin"] else 1, NOT_RELEASED, dtype=np.int32),
+            bslot=np.zeros(m if sw["rebin"] else 1, dtype=np.int8))
+        self._asked = np.zeros(0, dtype=np.int64)  # rebin: the requests whose bins bslot holds (ascending)
+        self._plan: tuple[list[int], int] = ([], 0)  # rebin: the window's stops still ahead, and its end
+        if sw["rebin"]:  # as SAECachePolicy.import_state: releasing requests before any completion are forgotten
+            by = state["released_by"]
+            self.state.relby[:n] = np.where(by >= 0, by, NOT_RELEASED)
+            self._asked = np.asarray(state["rebin_requests"], dtype=np.int64)
+            self.state.bslot[self._asked] = state["rebin_bins"]
         if sampled and "offset" in state:
             self.state.offset[:n] = state["offset"]
         self.compiled = compiled(arrivals)  # the per-arrival state, as arrays (None: Python arrivals)
@@ -852,8 +929,43 @@ class SAECacheTwin(Twin):
                         c *= value_weight(k)
                     ps.coef[k * GROUP_SLOT + q * _TYPES + t] = c
 
-    def prepare(self, a: int, b: int) -> None:
-        """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring)."""
+    def prepare(self, a: int, b: int) -> list[int] | None:
+        """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring). Under rebin, only up to
+        the first refit (included): the bins a refit moves blocks to are the model's at that arrival, and the kernel
+        stops before it (at_stop)."""
+        if not self.policy.switches["rebin"]:
+            self._arrive(a, b)
+            return None
+        done = self.compiled.state.ai[ARRIVALS] if self.compiled is not None else self.arrivals.arrivals
+        first = a + (-(done + 1)) % REFIT_EVERY  # request i is arrival done + 1 + i - a
+        stops = list(range(first, b, REFIT_EVERY))
+        self._plan = (stops, b)
+        self._arrive(a, stops[0] + 1 if stops else b)
+        return stops
+
+    def at_stop(self, i: int, n: int) -> None:
+        """Request ``i`` refits next: the bins, as the model sees them after its arrival, of the requests that
+        released the cached chat and agent blocks (SAECachePolicy._rebin_blocks asks the same model the same
+        question: the same floats), then the arrivals up to the next stop."""
+        ps = self.state
+        if not ps.req[R_FLAGS, i] & REFIT:
+            raise RuntimeError(f"saecache twin: a rebin stop at request {i}, which does not refit")
+        by = ps.relby[:n]
+        by = by[by != NOT_RELEASED]
+        if by.size:  # else the kernel moves nothing and the bins stay
+            reqs = np.unique(by.astype(np.int64))
+            reqs = reqs[reqs >= 0]
+            if self.compiled is not None:
+                self.compiled.stats_to_python()  # the model's per-turn rates
+            p = self.arrivals.model.p_many(reqs)
+            ps.bslot[self._asked] = 0
+            ps.bslot[reqs] = [slot_of(x) for x in p.tolist()]
+            self._asked = reqs
+        stops, b = self._plan
+        later = [y for y in stops if y > i]
+        self._arrive(i + 1, later[0] + 1 if later else b)
+
+    def _arrive(self, a: int, b: int) -> None:
         ps = self.state
         if self.compiled is not None:
             self.compiled.run(a, b, ps.req[R_Q], ps.req[R_SLOT], ps.req[R_FLAGS], ps.req_pst)
@@ -897,7 +1009,9 @@ class SAECacheTwin(Twin):
                 "inflight_queue": ps.req[R_Q, inflight].astype(np.int64),
                 "inflight_slot": ps.req[R_SLOT, inflight].astype(np.int64), **self._python_arrivals().export_state(),
                 **({"offset": np.where(queue == ST, ps.offset[:n], 0.0)} if self.policy.switches["position_decay"]
-                   else {})}
+                   else {}),
+                **({"released_by": np.maximum(ps.relby[:n], -1).astype(np.int64), "rebin_requests": self._asked.copy(),
+                    "rebin_bins": ps.bslot[self._asked].astype(np.int64)} if self.policy.switches["rebin"] else {})}
 
     def begin_window(self) -> None:  # SAECachePolicy.reset_window
         self.state.qn[Q_HITS] = 0
