@@ -172,6 +172,13 @@ def _slot_of(p):
     return 1 + int(round((x + LOGIT_MAX) / LOGIT_BIN))
 
 
+@jit
+def slots_of(p, out):
+    """arrivals.slot_of of every ``p[k]`` into ``out[k]`` (the same floats as the Python function's: one libm)."""
+    for k in range(p.size):
+        out[k] = _slot_of(p[k])
+
+
 @inline
 def _add_gap(gap, q, dt):
     lg = math.log(dt)
@@ -364,6 +371,11 @@ class CompiledArrivals:
         pq_req, pq = np.zeros(2 * n, dtype=np.int64), np.zeros((2, 2 * n))
         pq_req[:n], pq[:, :n] = st.pq_req[:n], st.pq[:, :n]
         self.state = st._replace(pq_req=pq_req, pq=pq)
+
+    def model_now(self):
+        """The continuation model as the arrivals run so far left it (its per-turn counts written back)."""
+        self._counts_to_model()
+        return self.arrivals.model
 
     def _counts_to_model(self) -> None:
         st = self.state

@@ -55,12 +55,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sae_env.fast_engine import treap as tp
-from sae_env.fast_engine.arrivals import ARRIVALS, compiled
+from sae_env.fast_engine.arrivals import ARRIVALS, compiled, slots_of
 from sae_env.fast_engine.jit import implements, inline, jit
 from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QUEUE, N
 from sae_env.fast_engine.treap import GROUP, STAMP, WHERE
 from sae_env.fast_engine.twin import Twin, register
-from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, REFIT_EVERY, ST, slot_of, slot_p
+from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, REFIT_EVERY, ST, slot_p
 from sae_env.policies.saecache import (
     GROUP_SLOT,
     VALUE_STRIDE,
@@ -815,6 +815,26 @@ def _build(ps, rec, slots):
         _add(ps, rec, s, rec[s, WHERE])
 
 
+@jit
+def _releasers(relby, n, seen, mark):
+    """The requests that released the blocks of slots ``0 .. n-1`` (-1 left out), ascending and each once, as
+    ``np.unique`` gives them (the Python policy's question to the model is this array), and whether any block has a
+    releasing request at all; ``seen``: per request, the ``mark`` of the last call that met it (a sort of the distinct
+    requests only, not of every slot)."""
+    out = np.empty(n, dtype=np.int64)
+    k = 0
+    released = False
+    for s in range(n):
+        r = relby[s]
+        if r != NOT_RELEASED:
+            released = True
+            if r >= 0 and seen[r] != mark:
+                seen[r] = mark
+                out[k] = r
+                k += 1
+    return np.sort(out[:k]), released
+
+
 def _opt(x: float) -> tuple[float, int]:
     """A state's optional number (NaN: none) as (value, known)."""
     return (0.0, 0) if math.isnan(x) else (float(x), 1)
@@ -886,6 +906,8 @@ class SAECacheTwin(Twin):
             relby=np.full(core.rec.shape[0] if sw["rebin"] else 1, NOT_RELEASED, dtype=np.int32),
             bslot=np.zeros(m if sw["rebin"] else 1, dtype=np.int8))
         self._asked = np.zeros(0, dtype=np.int64)  # rebin: the requests whose bins bslot holds (ascending)
+        self._seen = np.zeros(m if sw["rebin"] else 1, dtype=np.int64)  # rebin: _releasers' marks, and its calls
+        self._stop = 0
         self._plan: tuple[list[int], int] = ([], 0)  # rebin: the window's stops still ahead, and its end
         if sw["rebin"]:  # as SAECachePolicy.import_state: releasing requests before any completion are forgotten
             by = state["released_by"]
@@ -950,16 +972,14 @@ class SAECacheTwin(Twin):
         ps = self.state
         if not ps.req[R_FLAGS, i] & REFIT:
             raise RuntimeError(f"saecache twin: a rebin stop at request {i}, which does not refit")
-        by = ps.relby[:n]
-        by = by[by != NOT_RELEASED]
-        if by.size:  # else the kernel moves nothing and the bins stay
-            reqs = np.unique(by.astype(np.int64))
-            reqs = reqs[reqs >= 0]
-            if self.compiled is not None:
-                self.compiled.stats_to_python()  # the model's per-turn rates
-            p = self.arrivals.model.p_many(reqs)
+        self._stop += 1
+        reqs, released = _releasers(ps.relby, n, self._seen, self._stop)
+        if released:  # else the kernel moves nothing and the bins stay
+            model = self.compiled.model_now() if self.compiled is not None else self.arrivals.model
+            bins = np.empty(reqs.size, dtype=np.int8)
+            slots_of(model.p_many(reqs), bins)
             ps.bslot[self._asked] = 0
-            ps.bslot[reqs] = [slot_of(x) for x in p.tolist()]
+            ps.bslot[reqs] = bins
             self._asked = reqs
         stops, b = self._plan
         later = [y for y in stops if y > i]
