@@ -172,13 +172,6 @@ def _slot_of(p):
     return 1 + int(round((x + LOGIT_MAX) / LOGIT_BIN))
 
 
-@jit
-def slots_of(p, out):
-    """arrivals.slot_of of every ``p[k]`` into ``out[k]`` (the same floats as the Python function's: one libm)."""
-    for k in range(p.size):
-        out[k] = _slot_of(p[k])
-
-
 @inline
 def _add_gap(gap, q, dt):
     lg = math.log(dt)

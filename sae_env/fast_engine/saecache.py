@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sae_env.fast_engine import treap as tp
-from sae_env.fast_engine.arrivals import ARRIVALS, compiled, slots_of
+from sae_env.fast_engine.arrivals import ARRIVALS, _slot_of, compiled
 from sae_env.fast_engine.jit import implements, inline, jit
 from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QUEUE, N
 from sae_env.fast_engine.treap import GROUP, STAMP, WHERE
@@ -90,10 +90,12 @@ BOUND_MARGIN = 1.0 - 1e-6
 # horizon are known, multi_queue, type_weights, the request context (prompt and output queue, bin, prompt blocks,
 # reasoning output), then the ranking's switches: the hit density, sampled structural groups, position decay; last, the
 # group a scan chose last (scanned first: the least score found early lets the bounds skip more groups; -1: none),
-# whether a chat or agent block's group carries its value bin (hit_value); whether rebin is on, and the request the
-# last completion served (whose blocks the next release frees: SAECachePolicy._completing).
+# whether a chat or agent block's group carries its value bin (hit_value); rebin: whether it is on, the request the
+# last completion served (whose blocks the next release frees: SAECachePolicy._completing), and the rebinnings so far
+# plus one (a request's bin is current when its bmark is this).
 SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
-    MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED, REBIN, COMPLETING = range(26)
+    MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED, REBIN, COMPLETING, \
+    RB_MARK = range(27)
 NOT_RELEASED = -2  # rebin: a slot's releasing request when none (-1: released before any completion)
 # Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
 # structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity,
@@ -144,10 +146,13 @@ class SAEState(NamedTuple):
     hstamp: np.ndarray  # int64 ... and their release stamps then
     si: np.ndarray
     sf: np.ndarray
-    # rebin (one entry each when off): the request that last released each slot's block (NOT_RELEASED: none), and each
-    # request's continuation bin as the model saw it at the last rebinning (0: it was not asked then)
+    # rebin (one entry each when off): the request that last released each slot's block (NOT_RELEASED: none); per
+    # request, the model's probability at the last stop that asked about it (at_stop), its bin then, and the rebinning
+    # that took it (RB_MARK: the last one, whose bins are SAECachePolicy._bin_now)
     relby: np.ndarray  # int32 per slot
+    pnow: np.ndarray  # float64 per request
     bslot: np.ndarray  # int8 per request
+    bmark: np.ndarray  # int64 per request
 
 
 # -- the groups' sets ------------------------------------------------------------------------------------------------
@@ -251,10 +256,8 @@ def _current_group(ps, rec, s):
     the bin its releasing request had at the last rebinning if that request was asked then."""
     g = rec[s, GROUP]
     r = ps.relby[s]
-    if g >= 0 and r >= 0:
-        k = ps.bslot[r]
-        if k > 0:
-            g += (k - g % N_GROUPS // GROUP_SLOT) * GROUP_SLOT
+    if g >= 0 and r >= 0 and ps.bmark[r] == ps.si[RB_MARK]:
+        g += (ps.bslot[r] - g % N_GROUPS // GROUP_SLOT) * GROUP_SLOT
     return g
 
 
@@ -268,12 +271,13 @@ class Sets(NamedTuple):
     si: np.ndarray
     relby: np.ndarray
     bslot: np.ndarray
+    bmark: np.ndarray
 
 
 @inline
 def sets(ps):
     """The Sets of state ``ps`` (the same arrays)."""
-    return Sets(ps.root, ps.gi, ps.si, ps.relby, ps.bslot)
+    return Sets(ps.root, ps.gi, ps.si, ps.relby, ps.bslot, ps.bmark)
 
 
 @jit
@@ -586,10 +590,10 @@ def _changed(ps):
 @jit
 def _rebin_blocks(ps, rec, n):
     """SAECachePolicy._rebin_blocks: every evictable chat or agent block (of slots ``0 .. n-1``) moves to its
-    current group (_current_group: at_stop wrote the bins of the requests that released the cached blocks, as the
-    model sees them at this arrival) and into its group's list, as the Python policy rebuilds its lists. Only the
-    blocks whose place changes move; the treap's order is the lists' order, so nothing else is needed. A rare call
-    (every REFIT_EVERY arrivals): compiled apart, not inlined into the kernel."""
+    current group (_current_group: in the bin of the probability that at_stop wrote for its releasing request, the
+    model's at this arrival) and into its group's list, as the Python policy rebuilds its lists. Only the blocks whose
+    place changes move; the treap's order is the lists' order, so nothing else is needed. A rare call (every
+    REFIT_EVERY arrivals): compiled apart, not inlined into the kernel."""
     _flush(ps, rec)
     ps.si[NEXT_UP] = -1
     relby = ps.relby
@@ -600,6 +604,13 @@ def _rebin_blocks(ps, rec, n):
             break
     if not released:  # as the Python policy: its dict of releasing requests is empty, nothing moves
         return
+    mark = ps.si[RB_MARK] + 1  # the bins of the releasing requests, from the probabilities at_stop wrote
+    ps.si[RB_MARK] = mark
+    for s in range(n):
+        r = relby[s]
+        if r >= 0 and ps.bmark[r] != mark:
+            ps.bmark[r] = mark
+            ps.bslot[r] = _slot_of(ps.pnow[r])
     gi, gl = ps.gi, ps.gl
     temporal = np.zeros(gi.shape[1], dtype=np.bool_)
     for g in range(gi.shape[1]):
@@ -815,26 +826,6 @@ def _build(ps, rec, slots):
         _add(ps, rec, s, rec[s, WHERE])
 
 
-@jit
-def _releasers(relby, n, seen, mark):
-    """The requests that released the blocks of slots ``0 .. n-1`` (-1 left out), ascending and each once, as
-    ``np.unique`` gives them (the Python policy's question to the model is this array), and whether any block has a
-    releasing request at all; ``seen``: per request, the ``mark`` of the last call that met it (a sort of the distinct
-    requests only, not of every slot)."""
-    out = np.empty(n, dtype=np.int64)
-    k = 0
-    released = False
-    for s in range(n):
-        r = relby[s]
-        if r != NOT_RELEASED:
-            released = True
-            if r >= 0 and seen[r] != mark:
-                seen[r] = mark
-                out[k] = r
-                k += 1
-    return np.sort(out[:k]), released
-
-
 def _opt(x: float) -> tuple[float, int]:
     """A state's optional number (NaN: none) as (value, known)."""
     return (0.0, 0) if math.isnan(x) else (float(x), 1)
@@ -868,7 +859,7 @@ class SAECacheTwin(Twin):
         win_t0, has_t0 = _opt(state["window_t0"])
         cand_now, cand_ok = _opt(state["cand_now"])
         sampled = not sw["density"] or sw["position_decay"]  # as SAECachePolicy._st_sampled
-        si = np.zeros(26, dtype=np.int64)
+        si = np.zeros(27, dtype=np.int64)
         si[LAST_G], si[REBIN], si[COMPLETING] = -1, sw["rebin"], -1
         si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
             TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, VALUED]] = [
@@ -904,16 +895,15 @@ class SAECacheTwin(Twin):
             hslot=np.zeros((N_ST, 2 * policy.sample), dtype=np.int32),
             hstamp=np.zeros((N_ST, 2 * policy.sample), dtype=np.int64), si=si, sf=sf,
             relby=np.full(core.rec.shape[0] if sw["rebin"] else 1, NOT_RELEASED, dtype=np.int32),
-            bslot=np.zeros(m if sw["rebin"] else 1, dtype=np.int8))
-        self._asked = np.zeros(0, dtype=np.int64)  # rebin: the requests whose bins bslot holds (ascending)
-        self._seen = np.zeros(m if sw["rebin"] else 1, dtype=np.int64)  # rebin: _releasers' marks, and its calls
-        self._stop = 0
+            pnow=np.zeros(m if sw["rebin"] else 1), bslot=np.zeros(m if sw["rebin"] else 1, dtype=np.int8),
+            bmark=np.zeros(m if sw["rebin"] else 1, dtype=np.int64))
+        si[RB_MARK] = 1
         self._plan: tuple[list[int], int] = ([], 0)  # rebin: the window's stops still ahead, and its end
         if sw["rebin"]:  # as SAECachePolicy.import_state: releasing requests before any completion are forgotten
             by = state["released_by"]
             self.state.relby[:n] = np.where(by >= 0, by, NOT_RELEASED)
-            self._asked = np.asarray(state["rebin_requests"], dtype=np.int64)
-            self.state.bslot[self._asked] = state["rebin_bins"]
+            asked = np.asarray(state["rebin_requests"], dtype=np.int64)
+            self.state.bslot[asked], self.state.bmark[asked] = state["rebin_bins"], 1
         if sampled and "offset" in state:
             self.state.offset[:n] = state["offset"]
         self.compiled = compiled(arrivals)  # the per-arrival state, as arrays (None: Python arrivals)
@@ -966,21 +956,17 @@ class SAECacheTwin(Twin):
         return stops
 
     def at_stop(self, i: int, n: int) -> None:
-        """Request ``i`` refits next: the bins, as the model sees them after its arrival, of the requests that
-        released the cached chat and agent blocks (SAECachePolicy._rebin_blocks asks the same model the same
-        question: the same floats), then the arrivals up to the next stop."""
+        """Request ``i`` refits next: the continuation probabilities, as the model sees them after its arrival, of the
+        requests that released the cached chat and agent blocks (SAECachePolicy._rebin_blocks asks the same model
+        about the same array: the same floats; the kernel bins them), then the arrivals up to the next stop."""
         ps = self.state
         if not ps.req[R_FLAGS, i] & REFIT:
             raise RuntimeError(f"saecache twin: a rebin stop at request {i}, which does not refit")
-        self._stop += 1
-        reqs, released = _releasers(ps.relby, n, self._seen, self._stop)
-        if released:  # else the kernel moves nothing and the bins stay
+        by = ps.relby[:n]
+        reqs = np.unique(by[by >= 0]).astype(np.int64)
+        if reqs.size:
             model = self.compiled.model_now() if self.compiled is not None else self.arrivals.model
-            bins = np.empty(reqs.size, dtype=np.int8)
-            slots_of(model.p_many(reqs), bins)
-            ps.bslot[self._asked] = 0
-            ps.bslot[reqs] = bins
-            self._asked = reqs
+            ps.pnow[reqs] = model.p_many(reqs)
         stops, b = self._plan
         later = [y for y in stops if y > i]
         self._arrive(i + 1, later[0] + 1 if later else b)
@@ -1030,8 +1016,13 @@ class SAECacheTwin(Twin):
                 "inflight_slot": ps.req[R_SLOT, inflight].astype(np.int64), **self._python_arrivals().export_state(),
                 **({"offset": np.where(queue == ST, ps.offset[:n], 0.0)} if self.policy.switches["position_decay"]
                    else {}),
-                **({"released_by": np.maximum(ps.relby[:n], -1).astype(np.int64), "rebin_requests": self._asked.copy(),
-                    "rebin_bins": ps.bslot[self._asked].astype(np.int64)} if self.policy.switches["rebin"] else {})}
+                **(self._rebin_state(n) if self.policy.switches["rebin"] else {})}
+
+    def _rebin_state(self, n: int) -> dict[str, np.ndarray]:
+        ps = self.state
+        asked = np.flatnonzero(ps.bmark == ps.si[RB_MARK])
+        return {"released_by": np.maximum(ps.relby[:n], -1).astype(np.int64), "rebin_requests": asked.astype(np.int64),
+                "rebin_bins": ps.bslot[asked].astype(np.int64)}
 
     def begin_window(self) -> None:  # SAECachePolicy.reset_window
         self.state.qn[Q_HITS] = 0
