@@ -10,6 +10,14 @@ whether the policy refits there, the structural continuation rate after it). Wha
 the kernel, applied at the same request as the Python policy applies it: the turnover time (capacity over the
 insertion rate) re-estimated at each refit, the occupancy and hits per queue.
 
+One question mixes both: under ``rebin`` a refit moves each evictable chat or agent block to the bin of its releasing
+request as the model sees that request at the refit. The model's answer must be the Python policy's, to the last
+bit, and the question (which requests released the cached blocks) depends on the cache. So the arrivals run ahead
+only up to each refit, the kernel stops where that arrival's admission starts (its earlier completions done), the
+twin asks the model about the releasing requests (at_stop: the same array the Python policy passes to
+``ContinuationModel.p_many``), and the kernel goes on and moves the blocks (_rebin_blocks). Each block keeps its
+releasing request (``relby``); the bins of the last rebinning are the requests whose ``bmark`` is the current one.
+
 Victims. The Python policy keeps, per group (queue, type when typed, continuation bin, value bin under hit_value),
 its released leaves in a recency list and the blocks that became leaves later in returned-heaps, and scores three
 candidates per group: the list's head, the heaps' oldest top, and the group's newest block (its score rises, then
@@ -42,7 +50,7 @@ Python policy's scan does (see :func:`_walk`; it must run exactly as often, as p
 Row columns: the release stamp, the group (set at release; -1 before), where the block waits (0: pinned or parked,
 1: its group's list, 2: its returned set) and the treap's links.
 
-Why one piece (~900 lines): the hooks, the candidate scan and the state's load and export share one row layout and
+Why one piece (~1,000 lines): the hooks, the candidate scan and the state's load and export share one row layout and
 one set of scalars, and each hook is the compiled copy of the Python hook of the same name; split, every module
 would import every other's column and scalar names.
 """

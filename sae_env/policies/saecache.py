@@ -66,8 +66,8 @@ roofline, binned in quarter octaves; for TTFT on long prompts, at some cost in t
 tokens, defaults to the paper's model's, Qwen2.5-1.5B's 15,234: give another model's ``N / (2 L d)``),
 ``rebin`` (on: at every refit, every ``REFIT_EVERY`` arrivals, each evictable chat or agent block moves to the
 continuation bin of the request that released it as the continuation model sees that request *now*, a parked one when
-it returns; off: a block keeps the bin the model gave its request at the request's arrival, when the model knew less;
-the Python engine only), ``type_weights`` (off: w = 1), ``adaptive_alpha`` (off:
+it returns; off: a block keeps the bin the model gave its request at the request's arrival, when the model knew less),
+``type_weights`` (off: w = 1), ``adaptive_alpha`` (off:
 alpha = 1), ``lognormal`` (off: exponential gaps), ``position_decay`` (off: no offset term), ``multi_queue`` (off: one
 temporal queue, no PE priority), ``predictor`` (the paper's ranking: off routes first requests by rule only; under the
 continuation model a predictor is one of its features). With every switch off the policy evicts in LRU order (a test
