@@ -158,6 +158,7 @@ class SAEState(NamedTuple):
     # request, the model's probability at the last stop that asked about it (at_stop), its bin then, and the rebinning
     # that took it (RB_MARK: the last one, whose bins are SAECachePolicy._bin_now)
     relby: np.ndarray  # int32 per slot
+    nheld: np.ndarray  # int32 per request: the cached blocks it released last (at_stop asks about those with some)
     pnow: np.ndarray  # float64 per request
     bslot: np.ndarray  # int8 per request
     bmark: np.ndarray  # int64 per request
@@ -256,6 +257,17 @@ def _return(ps, rec, s):
         rec[s, GROUP] = _current_group(ps, rec, s)  # a parked block takes its request's bin of the last rebinning
     _add(ps, rec, s, 2)
     ps.gi[G_DIRTY, rec[s, GROUP]] = 1
+
+
+@inline
+def _released_by(ps, s, r):
+    """Slot ``s``'s block was last released by request ``r`` (NOT_RELEASED: it left the cache)."""
+    old = ps.relby[s]
+    if old >= 0:
+        ps.nheld[old] -= 1
+    if r >= 0:
+        ps.nheld[r] += 1
+    ps.relby[s] = r
 
 
 @inline
@@ -753,7 +765,7 @@ def _release(ps, c, path, i0, i1, now):
             if si[VALUED]:
                 g += N_GROUPS * ps.vbin[rec[s, DEPTH]]
             if by != NOT_RELEASED:
-                ps.relby[s] = by
+                _released_by(ps, s, by)
         rec[s, GROUP] = g
         if rec[s, NCHILD] == 0 or (q == ST and si[SAMPLED]):  # a sampled structural group lists inner nodes too
             _add(ps, rec, s, 1)
@@ -785,7 +797,7 @@ def _take(ps, c, v):
         _remove(ps, rec, v)
     rec[v, STAMP] = 0
     if si[REBIN]:
-        ps.relby[v] = NOT_RELEASED
+        _released_by(ps, v, NOT_RELEASED)
     p = rec[v, PARENT]
     if p >= 0 and rec[p, QUEUE] == q:
         if q == CH or q == AG:  # rebin: the parent's group if it returned now
@@ -903,6 +915,7 @@ class SAECacheTwin(Twin):
             hslot=np.zeros((N_ST, 2 * policy.sample), dtype=np.int32),
             hstamp=np.zeros((N_ST, 2 * policy.sample), dtype=np.int64), si=si, sf=sf,
             relby=np.full(core.rec.shape[0] if sw["rebin"] else 1, NOT_RELEASED, dtype=np.int32),
+            nheld=np.zeros(m if sw["rebin"] else 1, dtype=np.int32),
             pnow=np.zeros(m if sw["rebin"] else 1), bslot=np.zeros(m if sw["rebin"] else 1, dtype=np.int8),
             bmark=np.zeros(m if sw["rebin"] else 1, dtype=np.int64))
         si[RB_MARK] = 1
@@ -910,6 +923,7 @@ class SAECacheTwin(Twin):
         if sw["rebin"]:  # as SAECachePolicy.import_state: releasing requests before any completion are forgotten
             by = state["released_by"]
             self.state.relby[:n] = np.where(by >= 0, by, NOT_RELEASED)
+            self.state.nheld[:] = np.bincount(by[by >= 0], minlength=m)
             asked = np.asarray(state["rebin_requests"], dtype=np.int64)
             self.state.bslot[asked], self.state.bmark[asked] = state["rebin_bins"], 1
         if sampled and "offset" in state:
@@ -970,8 +984,7 @@ class SAECacheTwin(Twin):
         ps = self.state
         if not ps.req[R_FLAGS, i] & REFIT:
             raise RuntimeError(f"saecache twin: a rebin stop at request {i}, which does not refit")
-        by = ps.relby[:n]
-        reqs = np.unique(by[by >= 0]).astype(np.int64)
+        reqs = np.flatnonzero(ps.nheld).astype(np.int64)  # np.unique of the cached blocks' releasing requests
         if reqs.size:
             model = self.compiled.model_now() if self.compiled is not None else self.arrivals.model
             ps.pnow[reqs] = model.p_many(reqs)
