@@ -162,8 +162,8 @@ def _model_arrive(st, i, now):
 
 
 @inline
-def _slot_of(p):
-    """arrivals.slot_of."""
+def slot_of(p):
+    """sae_env.policies.arrivals.slot_of, compiled (the same libm: the same bins)."""
     if 0.0 < p < 1.0:
         x = math.log(p / (1.0 - p))
     else:
@@ -216,7 +216,7 @@ def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
             if ai[PE_ROUTING] and ai[MULTI] and p < st.af[THRESHOLD]:
                 q = PE
             if density:
-                slot = _slot_of(p)
+                slot = slot_of(p)
         s = st.session[i]
         if s >= 0:
             last = st.sess_t[s]

@@ -63,7 +63,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sae_env.fast_engine import treap as tp
-from sae_env.fast_engine.arrivals import ARRIVALS, _slot_of, compiled
+from sae_env.fast_engine.arrivals import ARRIVALS, compiled, slot_of
 from sae_env.fast_engine.jit import implements, inline, jit
 from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QUEUE, N
 from sae_env.fast_engine.treap import GROUP, STAMP, WHERE
@@ -630,7 +630,7 @@ def _rebin_blocks(ps, rec, n):
         r = relby[s]
         if r >= 0 and ps.bmark[r] != mark:
             ps.bmark[r] = mark
-            ps.bslot[r] = _slot_of(ps.pnow[r])
+            ps.bslot[r] = slot_of(ps.pnow[r])
     gi, gl = ps.gi, ps.gl
     temporal = np.zeros(gi.shape[1], dtype=np.bool_)
     for g in range(gi.shape[1]):
