@@ -263,21 +263,23 @@ REBIN = {"continuation": True, "density": True, "rebin": True}
 def refit_every_3():
     """A refit every 3 arrivals on both engines: the twin then runs the Python arrivals (the compiled ones keep the
     constant they were compiled with), the kernel reads the refits from their rows."""
-    with patch.object(arrivals, "REFIT_EVERY", 3), patch.object(fast_sae, "REFIT_EVERY", 3), \
-            patch.object(fast_sae, "compiled", lambda _: None):
+    with patch.object(arrivals, "REFIT_EVERY", 3), patch.object(saecache, "REFIT_EVERY", 3), \
+            patch.object(fast_sae, "REFIT_EVERY", 3), patch.object(fast_sae, "compiled", lambda _: None):
         yield
 
 
 @settings(max_examples=40, deadline=None, report_multiple_bugs=False)
 @given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 7),
-       ghosts=st.sampled_from([None, 0, 2]), outputs=st.booleans(), timed=st.booleans(), options=switches)
-def test_session_traces_agree_with_rebin(trace, capacity, window, ghosts, outputs, timed, options):
+       ghosts=st.sampled_from([None, 0, 2]), outputs=st.booleans(), timed=st.booleans(), options=switches,
+       every=st.sampled_from([1, 1, 2]))
+def test_session_traces_agree_with_rebin(trace, capacity, window, ghosts, outputs, timed, options, every):
     """A refit every 3 arrivals, so that these short traces rebin many times, instant and timed (timed: the kernel's
-    stop settles the completions due before the refitting arrival, as one call would)."""
+    stop settles the completions due before the refitting arrival, as one call would), at every refit or every
+    other one (rebin_every)."""
     with refit_every_3():
         py, fast = both(trace, capacity, {"preset": SERVER, "token_budget": 16} if timed else None,
-                        options={**options, **REBIN}, window_requests=window, ghost_capacity=ghosts,
-                        cache_outputs=outputs)
+                        options={**options, **REBIN, "rebin_every": every}, window_requests=window,
+                        ghost_capacity=ghosts, cache_outputs=outputs)
     assert_same_windows(py, fast)
 
 
@@ -301,6 +303,13 @@ def test_embedded_real_traces_agree_with_rebin(trace_name):
     assert asked and moved
     py, fast = both(trace, max(1, int(0.05 * trace.distinct_blocks())), SERVER, options=REBIN, window_requests=100)
     assert_same_windows(py, fast)
+    # every other refit (rebin_every=2): the same on both engines, and not every refit's hits
+    capacity = max(1, int(0.05 * trace.distinct_blocks()))
+    py, fast = both(trace, capacity, options={**REBIN, "rebin_every": 2}, window_requests=200)
+    assert_same_windows(py, fast)
+    every = Replay(trace, PrefixCache(capacity, make_policy("saecache", **REBIN)), window_requests=200)
+    every.run()
+    assert [w.hit_blocks for w in every.windows] != [w.hit_blocks for w in fast.windows]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -980,6 +980,9 @@ def test_rebin_needs_the_continuation_model_and_the_density():
             SAECachePolicy(rebin=True, **off)
     with pytest.raises(ValueError, match="rebin must be true or false"):
         make_policy("saecache", rebin="yes")
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="rebin_every"):
+            make_policy("saecache", rebin=True, rebin_every=bad)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

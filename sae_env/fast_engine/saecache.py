@@ -100,10 +100,10 @@ BOUND_MARGIN = 1.0 - 1e-6
 # group a scan chose last (scanned first: the least score found early lets the bounds skip more groups; -1: none),
 # whether a chat or agent block's group carries its value bin (hit_value); rebin: whether it is on, the request the
 # last completion served (whose blocks the next release frees: SAECachePolicy._completing), and the rebinnings so far
-# plus one (a request's bin is current when its bmark is this).
+# plus one (a request's bin is current when its bmark is this), whether the next refit rebins (set by at_stop).
 SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
     MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED, REBIN, COMPLETING, \
-    RB_MARK = range(27)
+    RB_MARK, RB_DUE = range(28)
 NOT_RELEASED = -2  # rebin: a slot's releasing request when none (-1: released before any completion)
 # Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
 # structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity,
@@ -673,7 +673,8 @@ def _request(ps, c, j, now):
         if si[HAS_RATE] and sf[INS_RATE] != 0.0:
             sf[HORIZON] = sf[CAPACITY] / sf[INS_RATE]
             si[HAS_HOR] = 1
-        if si[REBIN]:
+        if si[RB_DUE]:
+            si[RB_DUE] = 0
             _rebin_blocks(ps, c.rec, c.sc[N])
         _changed(ps)
     q = ps.req[R_Q, j]
@@ -879,7 +880,7 @@ class SAECacheTwin(Twin):
         win_t0, has_t0 = _opt(state["window_t0"])
         cand_now, cand_ok = _opt(state["cand_now"])
         sampled = not sw["density"] or sw["position_decay"]  # as SAECachePolicy._st_sampled
-        si = np.zeros(27, dtype=np.int64)
+        si = np.zeros(28, dtype=np.int64)
         si[LAST_G], si[REBIN], si[COMPLETING] = -1, sw["rebin"], -1
         si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
             TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, VALUED]] = [
@@ -971,8 +972,9 @@ class SAECacheTwin(Twin):
             self._arrive(a, b)
             return None
         done = self.compiled.state.ai[ARRIVALS] if self.compiled is not None else self.arrivals.arrivals
-        first = a + (-(done + 1)) % REFIT_EVERY  # request i is arrival done + 1 + i - a
-        stops = list(range(first, b, REFIT_EVERY))
+        every = REFIT_EVERY * self.policy.rebin_every
+        first = a + (-(done + 1)) % every  # request i is arrival done + 1 + i - a
+        stops = list(range(first, b, every))
         self._plan = (stops, b)
         self._arrive(a, stops[0] + 1 if stops else b)
         return stops
@@ -984,6 +986,7 @@ class SAECacheTwin(Twin):
         ps = self.state
         if not ps.req[R_FLAGS, i] & REFIT:
             raise RuntimeError(f"saecache twin: a rebin stop at request {i}, which does not refit")
+        ps.si[RB_DUE] = 1
         reqs = np.flatnonzero(ps.nheld).astype(np.int64)  # np.unique of the cached blocks' releasing requests
         if reqs.size:
             model = self.compiled.model_now() if self.compiled is not None else self.arrivals.model

@@ -74,8 +74,9 @@ continuation model a predictor is one of its features). With every switch off th
 checks it against ``lru``). Not a switch but cost knobs: ``refit_steps`` (2), the continuation model's EM and Newton
 steps per refit, and ``refit_growth`` (0.5): the model refits once the arrivals have grown by half since its last refit,
 not at every ``REFIT_EVERY`` arrivals (0; continuation.py's refit schedule: a bounded total cost, the same hit rates
-within noise); ``clock_step`` (1/128; 0 under the paper's ranking), the step of the clock the ranking reads, as a
-fraction of the turnover horizon (``CLOCK_STEP``: the evictions of every arrival within one step share one scan's
+within noise); ``rebin_every`` (1): under ``rebin``, the blocks move at every ``rebin_every``-th refit only;
+``clock_step`` (1/128; 0 under the paper's ranking), the step of the clock the ranking reads, as a fraction of the
+turnover horizon (``CLOCK_STEP``: the evictions of every arrival within one step share one scan's
 scores; 0: the exact clock).
 
 Why one piece (~900 lines): the recency lists, the returned-heaps and the cached candidates are the policy's state,
@@ -97,7 +98,20 @@ from typing import Any
 import numpy as np
 
 from sae_env.block import TYPE_SLOTS, Block, split_queue_type
-from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, QUEUES, ST, Arrivals, Predictor, slot_of, slot_p
+from sae_env.policies.arrivals import (
+    AG,
+    CH,
+    N_QUEUES,
+    N_SLOTS,
+    PE,
+    QUEUES,
+    REFIT_EVERY,
+    ST,
+    Arrivals,
+    Predictor,
+    slot_of,
+    slot_p,
+)
 from sae_env.policies.base import EvictionPolicy, ParamSpec, block_array
 from sae_env.policies.survival import ExponentialGaps, LognormalGaps
 from sae_env.serving.hardware import GPUS, MODELS
@@ -203,7 +217,7 @@ class SAECachePolicy(EvictionPolicy):
                  pe_routing: bool = False, hit_value: bool = False, rebin: bool = False,
                  continue_threshold: float = 0.5, sample: int = 8,
                  min_dt: float = 1e-3, refit_steps: int = 2, refit_growth: float = 0.5,
-                 value_context: float | None = None, clock_step: float = CLOCK_STEP,
+                 value_context: float | None = None, clock_step: float = CLOCK_STEP, rebin_every: int = 1,
                  params: dict[str, float] | None = None) -> None:
         super().__init__()
         if sample < 1:
@@ -238,6 +252,9 @@ class SAECachePolicy(EvictionPolicy):
         self._released_by: dict[Block, int] = {}
         self._bin_now: dict[int, int] = {}
         self._completing = -1  # the request whose blocks the next release frees (set by on_complete)
+        if isinstance(rebin_every, bool) or not isinstance(rebin_every, (int, np.integer)) or rebin_every < 1:
+            raise ValueError(f"saecache: rebin_every must be a whole number of refits >= 1, got {rebin_every!r}")
+        self.rebin_every = int(rebin_every)  # rebin at every rebin_every-th refit (a cost knob)
         if value_context is None:
             value_context = _VALUE_CONTEXT
         if isinstance(value_context, bool) or not isinstance(value_context, (int, float)) \
@@ -832,7 +849,7 @@ class SAECachePolicy(EvictionPolicy):
             self._window_t0 = now
         if self._ins_rate:
             self._horizon = self.cache.capacity / self._ins_rate
-        if self._rebin:
+        if self._rebin and (self.rebin_every == 1 or self.arrivals.arrivals // REFIT_EVERY % self.rebin_every == 0):
             self._rebin_blocks()
         self._changed()
 
