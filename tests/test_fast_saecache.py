@@ -312,6 +312,15 @@ def test_embedded_real_traces_agree_with_rebin(trace_name):
     assert [w.hit_blocks for w in every.windows] != [w.hit_blocks for w in fast.windows]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("trace_name", ["wildchat", "mooncake_arxiv", "mooncake_synthetic", "taubench"])
+def test_whole_embedded_traces_agree_with_rebin(trace_name):
+    trace = real(trace_name, 20_000)
+    for fraction in (0.02, 0.05, 0.2):
+        py, fast = both(trace, max(1, int(fraction * trace.distinct_blocks())), options=REBIN, window_requests=1000)
+        assert_same_windows(py, fast)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the state contract
 
