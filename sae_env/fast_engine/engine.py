@@ -225,7 +225,7 @@ class FastEngine:
         x = a
         for y in stops or ():  # the twin's work at a request, with the cache as that request's admission finds it
             run(core, twin.state, sv, x, y, hits[x - a:], False, True)
-            twin.at_stop(y, len(self))
+            twin.at_stop(y)
             x = y
         run(core, twin.state, sv, x, b, hits[x - a:], b == len(self.trace), False)
         cnt = core.cnt

@@ -631,25 +631,20 @@ def _rebin_blocks(ps, rec, n):
         if r >= 0 and ps.bmark[r] != mark:
             ps.bmark[r] = mark
             ps.bslot[r] = slot_of(ps.pnow[r])
-    gi, gl = ps.gi, ps.gl
-    temporal = np.zeros(gi.shape[1], dtype=np.bool_)
+    gi = ps.gi
     for g in range(gi.shape[1]):
         q = (g % GROUP_SLOT) // _TYPES
-        if q == CH or q == AG:
-            temporal[g] = True
-            gi[G_FRESH, g] = 0  # their candidates are searched again: _remove and _add leave them alone
+        if q == CH or q == AG:  # candidates searched again (so _remove and _add leave them alone), and rescored
+            gi[G_FRESH, g] = 0
+            gi[G_DIRTY, g] = 1
+            ps.gl[G_EPOCH, g] = -1
     for s in range(n):
-        if rec[s, WHERE] != 0 and temporal[rec[s, GROUP]]:
+        if rec[s, WHERE] != 0 and (rec[s, QUEUE] == CH or rec[s, QUEUE] == AG):
             g = _current_group(ps, rec, s)
             if g != rec[s, GROUP] or rec[s, WHERE] != 1:
                 _remove(ps, rec, s)
                 rec[s, GROUP] = g
                 _add(ps, rec, s, 1)
-    for g in range(gi.shape[1]):
-        if temporal[g]:
-            gi[G_FRESH, g] = 0
-            gi[G_DIRTY, g] = 1
-            gl[G_EPOCH, g] = -1
     ps.si[STALE] = 1
 
 
@@ -979,7 +974,7 @@ class SAECacheTwin(Twin):
         self._arrive(a, stops[0] + 1 if stops else b)
         return stops
 
-    def at_stop(self, i: int, n: int) -> None:
+    def at_stop(self, i: int) -> None:
         """Request ``i`` refits next: the continuation probabilities, as the model sees them after its arrival, of the
         requests that released the cached chat and agent blocks (SAECachePolicy._rebin_blocks asks the same model
         about the same array: the same floats; the kernel bins them), then the arrivals up to the next stop."""

@@ -77,9 +77,9 @@ class Twin:
         :meth:`at_stop`, or None."""
         return None
 
-    def at_stop(self, i: int, n: int) -> None:
-        """The kernel stopped where request ``i``'s admission starts (one of :meth:`prepare`'s stops; ``n`` blocks
-        cached): the Python work it needs first."""
+    def at_stop(self, i: int) -> None:
+        """The kernel stopped where request ``i``'s admission starts (one of :meth:`prepare`'s stops): the Python work
+        it needs first."""
 
     def begin_window(self) -> None:
         """The replay starts a window (the policy's ``reset_window``)."""

@@ -849,7 +849,7 @@ class SAECachePolicy(EvictionPolicy):
             self._window_t0 = now
         if self._ins_rate:
             self._horizon = self.cache.capacity / self._ins_rate
-        if self._rebin and (self.rebin_every == 1 or self.arrivals.arrivals // REFIT_EVERY % self.rebin_every == 0):
+        if self._rebin and self.arrivals.arrivals // REFIT_EVERY % self.rebin_every == 0:
             self._rebin_blocks()
         self._changed()
 
