@@ -11,6 +11,7 @@ run fall back to the Python engine with the reason.
 
 from __future__ import annotations
 
+from collections import namedtuple
 from contextlib import contextmanager
 from unittest.mock import patch
 
@@ -27,6 +28,7 @@ from sae_env.fast_engine import saecache as fast_sae
 from sae_env.fast_engine import treap
 from sae_env.fast_engine.twin import twin_class
 from sae_env.policies import arrivals, make_policy, saecache
+from sae_env.policies.continuation import ContinuationModel
 from sae_env.replay import Replay
 from sae_env.serving import make_server
 from sae_env.sources import open_trace
@@ -254,8 +256,8 @@ def test_parameters_set_between_windows_agree():
     assert_same_windows(*runs)
 
 
-# rebin (SAECachePolicy._rebin_blocks): every REFIT_EVERY arrivals the kernel stops before the refitting request, the
-# twin asks the model for the bins of the cached blocks' releasing requests, and the kernel moves the blocks.
+# rebin (SAECachePolicy._rebin_blocks): every REFIT_EVERY arrivals the kernel computes the model's probabilities of the
+# cached blocks' releasing requests from the rates and beta the twin kept at that arrival, and moves the blocks.
 REBIN = {"continuation": True, "density": True, "rebin": True}
 
 
@@ -273,14 +275,40 @@ def refit_every_3():
        ghosts=st.sampled_from([None, 0, 2]), outputs=st.booleans(), timed=st.booleans(), options=switches,
        every=st.sampled_from([1, 1, 2]))
 def test_session_traces_agree_with_rebin(trace, capacity, window, ghosts, outputs, timed, options, every):
-    """A refit every 3 arrivals, so that these short traces rebin many times, instant and timed (timed: the kernel's
-    stop settles the completions due before the refitting arrival, as one call would), at every refit or every
-    other one (rebin_every)."""
+    """A refit every 3 arrivals, so that these short traces rebin many times, instant and timed, at every refit or
+    every other one (rebin_every)."""
     with refit_every_3():
         py, fast = both(trace, capacity, {"preset": SERVER, "token_budget": 16} if timed else None,
                         options={**options, **REBIN, "rebin_every": every}, window_requests=window,
                         ghost_capacity=ghosts, cache_outputs=outputs)
     assert_same_windows(py, fast)
+
+
+Rows = namedtuple("Rows", "si rbr rbb rbucket rz")  # the fields of SAEState that _p_now reads
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), features=st.booleans(), scale=st.sampled_from([0.01, 1.0, 30.0]),
+       edge=st.booleans())
+def test_kernel_probabilities_are_the_models(seed, features, scale, edge):
+    """_p_now, from a row of rates and beta, gives ContinuationModel.p_many's floats bit for bit on a real trace's
+    requests: random rates (with 0 and 1 among them, which the model clips) and beta (large enough to reach the
+    logistic's floor)."""
+    trace = real("wildchat", 500)
+    model = ContinuationModel(features=features)
+    model.bind(trace)
+    rng = np.random.default_rng(seed)
+    rates = rng.random(len(model.rates))
+    if edge:
+        rates[rng.integers(0, rates.size, 2)] = [0.0, 1.0]
+    model._rates = rates.tolist()
+    model.beta = rng.normal(0.0, scale, model.beta.size)
+    n = len(trace)
+    rows = Rows(si=np.zeros(fast_sae.RB_FEAT + 1, dtype=np.int64), rbr=np.stack([np.zeros_like(rates), rates]),
+                rbb=np.stack([np.zeros_like(model.beta), model.beta]),
+                rbucket=np.asarray(model.turn_buckets, dtype=np.int32), rz=model.feature_rows(slice(0, n)))
+    rows.si[fast_sae.RB_FEAT] = features
+    assert np.array_equal([fast_sae._p_now(rows, r, 1) for r in range(n)], model.p_many(np.arange(n)))
 
 
 @pytest.mark.parametrize("trace_name", ["wildchat", "mooncake_synthetic", "taubench", "real_chat"])
@@ -295,8 +323,6 @@ def test_embedded_real_traces_agree_with_rebin(trace_name):
         assert_same_windows(py, fast)
         st = fast._fast.twin.state
         asked |= bool((st.bmark == st.si[fast_sae.RB_MARK]).any())  # the model gave the releasing requests bins
-        by = st.relby[:len(fast._fast)]  # each request's count of the cached blocks it released, kept as they move
-        assert np.array_equal(st.nheld, np.bincount(by[by >= 0], minlength=len(trace)))
         plain = Replay(trace, PrefixCache(capacity, make_policy("saecache")), window_requests=200)
         plain.run()
         moved |= [w.hit_blocks for w in plain.windows] != [w.hit_blocks for w in fast.windows]

@@ -33,7 +33,7 @@ import numpy as np
 
 from sae_env.fast_engine.jit import borrow, inline, jit
 from sae_env.policies.arrivals import AG, CH, LOGIT_BIN, LOGIT_MAX, PE, REFIT_EVERY, ST, Arrivals
-from sae_env.policies.continuation import MAX_REFIT_GAP, P_CLIP, ContinuationModel
+from sae_env.policies.continuation import MAX_REFIT_GAP, P_CLIP
 
 __all__ = ["CompiledArrivals"]
 
@@ -365,10 +365,10 @@ class CompiledArrivals:
         pq_req[:n], pq[:, :n] = st.pq_req[:n], st.pq[:, :n]
         self.state = st._replace(pq_req=pq_req, pq=pq)
 
-    def model_now(self) -> ContinuationModel:
-        """The continuation model as the arrivals run so far left it (its per-turn counts written back)."""
-        self._counts_to_model()
-        return self.arrivals.model
+    @property
+    def rates(self) -> np.ndarray:
+        """The model's per-turn continuation rates as the arrivals run so far left them (a view: copy to keep)."""
+        return self.state.counts[RATES]
 
     def _counts_to_model(self) -> None:
         st = self.state

@@ -216,18 +216,12 @@ class FastEngine:
         hits = np.empty(b - a, dtype=np.int64)
         core, sv = self.core, self.sv
         core.cnt[:] = 0
-        twin = self.twin
-        twin.begin_window()
-        stops = twin.prepare(a, b)
+        self.twin.begin_window()
+        self.twin.prepare(a, b)
         if self.timed:
             sv.si[srv.NOUT] = 0
-        run = kernel("run_window", type(twin.state), TIMED=self.timed)
-        x = a
-        for y in stops or ():  # the twin's work at a request, with the cache as that request's admission finds it
-            run(core, twin.state, sv, x, y, hits[x - a:], False, True)
-            twin.at_stop(y)
-            x = y
-        run(core, twin.state, sv, x, b, hits[x - a:], b == len(self.trace), False)
+        run = kernel("run_window", type(self.twin.state), TIMED=self.timed)
+        run(core, self.twin.state, sv, a, b, hits, b == len(self.trace))
         cnt = core.cnt
         by_queue = cnt[loop.MAEQ:loop.MAEO].tolist()
         counts = WindowCounts(int(cnt[loop.EVICTIONS]), int(cnt[loop.BYPASSES]), int(cnt[loop.INSERTED]),

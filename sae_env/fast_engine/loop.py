@@ -305,12 +305,10 @@ def _next_completion(c, sv, now, drain):
 
 
 @template
-def run_window(c, ps, sv, a, b, hits_out, finish, settle):
+def run_window(c, ps, sv, a, b, hits_out, finish):
     """Serve requests ``a .. b-1``: their hit blocks go to ``hits_out``, the window's counters to ``c.cnt`` and, in
     timed mode, the TTFTs recorded during the window to ``sv.ttft_out`` (``sv.si[NOUT]`` of them). ``finish``: the
-    last window (timed mode then drains the server and every completion). ``settle``: stop where request ``b``'s
-    admission would start, its earlier completions done (timed mode; a twin's stop inside a window, see
-    :meth:`~sae_env.fast_engine.twin.Twin.prepare`: the next call goes on as one call would have).
+    last window (timed mode then drains the server and every completion).
 
     One step per iteration: complete a request, or admit the next one. Instant mode completes each request right
     after its admission, on the path it holds; timed mode completes the requests whose events are due before the
@@ -331,8 +329,8 @@ def run_window(c, ps, sv, a, b, hits_out, finish, settle):
             due = -1
             now = c.t[i]
         elif TIMED:
-            if j < b or draining or settle:
-                i, now = _next_completion(c, sv, c.t[j] if j < b or settle else 0.0, draining)
+            if j < b or draining:
+                i, now = _next_completion(c, sv, c.t[j] if j < b else 0.0, draining)
             if i >= 0:
                 plen = sv.held_len[i]
                 s = sv.held[i]

@@ -12,11 +12,12 @@ insertion rate) re-estimated at each refit, the occupancy and hits per queue.
 
 One question mixes both: under ``rebin`` a refit moves each evictable chat or agent block to the bin of its releasing
 request as the model sees that request at the refit. The model's answer must be the Python policy's, to the last
-bit, and the question (which requests released the cached blocks) depends on the cache. So the arrivals run ahead
-only up to each refit, the kernel stops where that arrival's admission starts (its earlier completions done), the
-twin asks the model about the releasing requests (at_stop: the same array the Python policy passes to
-``ContinuationModel.p_many``), and the kernel goes on and moves the blocks (_rebin_blocks). Each block keeps its
-releasing request (``relby``); the bins of the last rebinning are the requests whose ``bmark`` is the current one.
+bit, and the question (which requests released the cached blocks) depends on the cache. So the twin, running the
+arrivals ahead, keeps what the answer needs from the model as each rebinning refit leaves it (its per-turn rates and
+``beta``: a row each), and the kernel, at that refit, computes ``ContinuationModel.p_many`` itself (_p_now: the same
+operations, libm's log and exp) for the requests that released the cached blocks, from every request's turn bucket
+and feature row (copied at load), and moves the blocks (_rebin_blocks). Each block keeps its releasing request
+(``relby``); the bins of the last rebinning are the requests whose ``bmark`` is the current one.
 
 Victims. The Python policy keeps, per group (queue, type when typed, continuation bin, value bin under hit_value),
 its released leaves in a recency list and the blocks that became leaves later in returned-heaps, and scores three
@@ -69,6 +70,7 @@ from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QU
 from sae_env.fast_engine.treap import GROUP, STAMP, WHERE
 from sae_env.fast_engine.twin import Twin, register
 from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, REFIT_EVERY, ST, slot_p
+from sae_env.policies.continuation import P_CLIP
 from sae_env.policies.saecache import (
     GROUP_SLOT,
     VALUE_STRIDE,
@@ -100,17 +102,18 @@ BOUND_MARGIN = 1.0 - 1e-6
 # group a scan chose last (scanned first: the least score found early lets the bounds skip more groups; -1: none),
 # whether a chat or agent block's group carries its value bin (hit_value); rebin: whether it is on, the request the
 # last completion served (whose blocks the next release frees: SAECachePolicy._completing), and the rebinnings so far
-# plus one (a request's bin is current when its bmark is this), whether the next refit rebins (set by at_stop).
+# plus one (a request's bin is current when its bmark is this), the model's row the next rebinning reads (rbr, rbb:
+# counted from 0 in each window, as Twin.prepare writes them), whether the model has features (continuation.features).
 SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
     MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED, REBIN, COMPLETING, \
-    RB_MARK, RB_DUE = range(28)
+    RB_MARK, RB_NEXT, RB_FEAT = range(29)
 NOT_RELEASED = -2  # rebin: a slot's releasing request when none (-1: released before any completion)
 # Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
 # structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity,
 # the position decay's power gamma, the ranking clock's step as a fraction of the horizon (clock_step).
 CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, EXP_MEAN_CH, CAPACITY, GAMMA, CLOCK = range(11)
 N_ST = 16  # structural groups are queue-type codes 8 .. 15 (they carry no continuation bin)
-REFIT, STRUCTURAL = 1, 2  # request flags
+REFIT, STRUCTURAL, REBIN_AT = 1, 2, 4  # request flags (REBIN_AT: the refit there rebins, set by Twin.prepare)
 
 
 # The state's packed rows (a kernel loads and unboxes every array of its state tuple: each costs ~55 us at a
@@ -155,13 +158,16 @@ class SAEState(NamedTuple):
     si: np.ndarray
     sf: np.ndarray
     # rebin (one entry each when off): the request that last released each slot's block (NOT_RELEASED: none); per
-    # request, the model's probability at the last stop that asked about it (at_stop), its bin then, and the rebinning
-    # that took it (RB_MARK: the last one, whose bins are SAECachePolicy._bin_now)
+    # request, its bin at the last rebinning that asked about it and that rebinning (RB_MARK: the last one, whose
+    # bins are SAECachePolicy._bin_now); what the model's answer needs: per request, its turn bucket and feature row;
+    # per rebinning refit of the window, the model's rates and beta after that arrival
     relby: np.ndarray  # int32 per slot
-    nheld: np.ndarray  # int32 per request: the cached blocks it released last (at_stop asks about those with some)
-    pnow: np.ndarray  # float64 per request
     bslot: np.ndarray  # int8 per request
     bmark: np.ndarray  # int64 per request
+    rbucket: np.ndarray  # int32 per request (ContinuationModel.turn_buckets)
+    rz: np.ndarray  # float64 [request, feature] (ContinuationModel.feature_rows; one entry without features)
+    rbr: np.ndarray  # float64 [rebinning, turn bucket]: ContinuationModel.rates
+    rbb: np.ndarray  # float64 [rebinning, feature]: ContinuationModel.beta
 
 
 # -- the groups' sets ------------------------------------------------------------------------------------------------
@@ -257,17 +263,6 @@ def _return(ps, rec, s):
         rec[s, GROUP] = _current_group(ps, rec, s)  # a parked block takes its request's bin of the last rebinning
     _add(ps, rec, s, 2)
     ps.gi[G_DIRTY, rec[s, GROUP]] = 1
-
-
-@inline
-def _released_by(ps, s, r):
-    """Slot ``s``'s block was last released by request ``r`` (NOT_RELEASED: it left the cache)."""
-    old = ps.relby[s]
-    if old >= 0:
-        ps.nheld[old] -= 1
-    if r >= 0:
-        ps.nheld[r] += 1
-    ps.relby[s] = r
 
 
 @inline
@@ -607,13 +602,28 @@ def _changed(ps):
     ps.si[CAND_OK] = 0
 
 
+@inline
+def _p_now(ps, r, k):
+    """ContinuationModel.p_many of request ``r`` from the model's rates and beta in row ``k`` (rbr, rbb): the same
+    operations in the same order (``z @ beta`` feature by feature, then libm's log and exp)."""
+    rate = ps.rbr[k, ps.rbucket[r]]
+    if not ps.si[RB_FEAT]:
+        return rate
+    rate = min(max(rate, P_CLIP), 1.0 - P_CLIP)
+    z, beta = ps.rz, ps.rbb
+    zb = z[r, 0] * beta[k, 0]
+    for f in range(1, z.shape[1]):
+        zb += z[r, f] * beta[k, f]
+    return 1.0 / (1.0 + math.exp(-max(math.log(rate / (1.0 - rate)) + zb, -700.0)))
+
+
 @jit
-def _rebin_blocks(ps, rec, n):
+def _rebin_blocks(ps, rec, n, k):
     """SAECachePolicy._rebin_blocks: every evictable chat or agent block (of slots ``0 .. n-1``) moves to its
-    current group (_current_group: in the bin of the probability that at_stop wrote for its releasing request, the
-    model's at this arrival) and into its group's list, as the Python policy rebuilds its lists. Only the blocks whose
-    place changes move; the treap's order is the lists' order, so nothing else is needed. A rare call (every
-    REFIT_EVERY arrivals): compiled apart, not inlined into the kernel."""
+    current group (_current_group: in the bin of its releasing request's probability under the model's row ``k``,
+    the model as this arrival left it) and into its group's list, as the Python policy rebuilds its lists. Only the
+    blocks whose place changes move; the treap's order is the lists' order, so nothing else is needed. A rare call
+    (every REFIT_EVERY arrivals): compiled apart, not inlined into the kernel."""
     _flush(ps, rec)
     ps.si[NEXT_UP] = -1
     relby = ps.relby
@@ -624,13 +634,13 @@ def _rebin_blocks(ps, rec, n):
             break
     if not released:  # as the Python policy: its dict of releasing requests is empty, nothing moves
         return
-    mark = ps.si[RB_MARK] + 1  # the bins of the releasing requests, from the probabilities at_stop wrote
+    mark = ps.si[RB_MARK] + 1  # the bins of the releasing requests, each asked once
     ps.si[RB_MARK] = mark
     for s in range(n):
         r = relby[s]
         if r >= 0 and ps.bmark[r] != mark:
             ps.bmark[r] = mark
-            ps.bslot[r] = slot_of(ps.pnow[r])
+            ps.bslot[r] = slot_of(_p_now(ps, r, k))
     gi = ps.gi
     for g in range(gi.shape[1]):
         q = (g % GROUP_SLOT) // _TYPES
@@ -668,9 +678,10 @@ def _request(ps, c, j, now):
         if si[HAS_RATE] and sf[INS_RATE] != 0.0:
             sf[HORIZON] = sf[CAPACITY] / sf[INS_RATE]
             si[HAS_HOR] = 1
-        if si[RB_DUE]:
-            si[RB_DUE] = 0
-            _rebin_blocks(ps, c.rec, c.sc[N])
+        if f & REBIN_AT:
+            k = si[RB_NEXT]
+            si[RB_NEXT] = k + 1
+            _rebin_blocks(ps, c.rec, c.sc[N], k)
         _changed(ps)
     q = ps.req[R_Q, j]
     ps.req[R_LIVE, j] = 1
@@ -761,7 +772,7 @@ def _release(ps, c, path, i0, i1, now):
             if si[VALUED]:
                 g += N_GROUPS * ps.vbin[rec[s, DEPTH]]
             if by != NOT_RELEASED:
-                _released_by(ps, s, by)
+                ps.relby[s] = by
         rec[s, GROUP] = g
         if rec[s, NCHILD] == 0 or (q == ST and si[SAMPLED]):  # a sampled structural group lists inner nodes too
             _add(ps, rec, s, 1)
@@ -793,7 +804,7 @@ def _take(ps, c, v):
         _remove(ps, rec, v)
     rec[v, STAMP] = 0
     if si[REBIN]:
-        _released_by(ps, v, NOT_RELEASED)
+        ps.relby[v] = NOT_RELEASED
     p = rec[v, PARENT]
     if p >= 0 and rec[p, QUEUE] == q:
         if q == CH or q == AG:  # rebin: the parent's group if it returned now
@@ -875,7 +886,7 @@ class SAECacheTwin(Twin):
         win_t0, has_t0 = _opt(state["window_t0"])
         cand_now, cand_ok = _opt(state["cand_now"])
         sampled = not sw["density"] or sw["position_decay"]  # as SAECachePolicy._st_sampled
-        si = np.zeros(28, dtype=np.int64)
+        si = np.zeros(29, dtype=np.int64)
         si[LAST_G], si[REBIN], si[COMPLETING] = -1, sw["rebin"], -1
         si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
             TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, VALUED]] = [
@@ -911,15 +922,13 @@ class SAECacheTwin(Twin):
             hslot=np.zeros((N_ST, 2 * policy.sample), dtype=np.int32),
             hstamp=np.zeros((N_ST, 2 * policy.sample), dtype=np.int64), si=si, sf=sf,
             relby=np.full(core.rec.shape[0] if sw["rebin"] else 1, NOT_RELEASED, dtype=np.int32),
-            nheld=np.zeros(m if sw["rebin"] else 1, dtype=np.int32),
-            pnow=np.zeros(m if sw["rebin"] else 1), bslot=np.zeros(m if sw["rebin"] else 1, dtype=np.int8),
-            bmark=np.zeros(m if sw["rebin"] else 1, dtype=np.int64))
+            bslot=np.zeros(m if sw["rebin"] else 1, dtype=np.int8),
+            bmark=np.zeros(m if sw["rebin"] else 1, dtype=np.int64), **self._model_rows(m))
         si[RB_MARK] = 1
-        self._plan: tuple[list[int], int] = ([], 0)  # rebin: the window's stops still ahead, and its end
+        si[RB_FEAT] = sw["rebin"] and arrivals.model.features
         if sw["rebin"]:  # as SAECachePolicy.import_state: releasing requests before any completion are forgotten
             by = state["released_by"]
             self.state.relby[:n] = np.where(by >= 0, by, NOT_RELEASED)
-            self.state.nheld[:] = np.bincount(by[by >= 0], minlength=m)
             asked = np.asarray(state["rebin_requests"], dtype=np.int64)
             self.state.bslot[asked], self.state.bmark[asked] = state["rebin_bins"], 1
         if sampled and "offset" in state:
@@ -959,36 +968,40 @@ class SAECacheTwin(Twin):
                         c *= value_weight(k)
                     ps.coef[k * GROUP_SLOT + q * _TYPES + t] = c
 
-    def prepare(self, a: int, b: int) -> list[int] | None:
-        """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring). Under rebin, only up to
-        the first refit (included): the bins a refit moves blocks to are the model's at that arrival, and the kernel
-        stops before it (at_stop)."""
+    def _model_rows(self, m: int) -> dict[str, np.ndarray]:
+        """rebin's arrays for the model's answers (SAEState: rbucket, rz, rbr, rbb), sized for ``m`` requests: a row
+        of rates and beta for each rebinning a window can hold (one entry each when off)."""
+        if not self.policy.switches["rebin"]:
+            return {"rbucket": np.zeros(1, dtype=np.int32), "rz": np.zeros((1, 1)), "rbr": np.zeros((1, 1)),
+                    "rbb": np.zeros((1, 1))}
+        model = self.arrivals.model
+        features = model.features
+        rows = m // (REFIT_EVERY * self.policy.rebin_every) + 1
+        return {"rbucket": np.asarray(model.turn_buckets, dtype=np.int32),
+                "rz": model.feature_rows(slice(0, m)) if features else np.zeros((1, 1)),
+                "rbr": np.zeros((rows, model.rates.size)), "rbb": np.zeros((rows, model.beta.size))}
+
+    def prepare(self, a: int, b: int) -> None:
+        """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring). Under rebin, in pieces
+        that end at each rebinning refit, where the model's rates and beta are kept for the kernel (rbr, rbb) and the
+        request is flagged REBIN_AT."""
         if not self.policy.switches["rebin"]:
             self._arrive(a, b)
-            return None
+            return
+        ps = self.state
         done = self.compiled.state.ai[ARRIVALS] if self.compiled is not None else self.arrivals.arrivals
         every = REFIT_EVERY * self.policy.rebin_every
-        first = a + (-(done + 1)) % every  # request i is arrival done + 1 + i - a
-        stops = list(range(first, b, every))
-        self._plan = (stops, b)
-        self._arrive(a, stops[0] + 1 if stops else b)
-        return stops
-
-    def at_stop(self, i: int) -> None:
-        """Request ``i`` refits next: the continuation probabilities, as the model sees them after its arrival, of the
-        requests that released the cached chat and agent blocks (SAECachePolicy._rebin_blocks asks the same model
-        about the same array: the same floats; the kernel bins them), then the arrivals up to the next stop."""
-        ps = self.state
-        if not ps.req[R_FLAGS, i] & REFIT:
-            raise RuntimeError(f"saecache twin: a rebin stop at request {i}, which does not refit")
-        ps.si[RB_DUE] = 1
-        reqs = np.flatnonzero(ps.nheld).astype(np.int64)  # np.unique of the cached blocks' releasing requests
-        if reqs.size:
-            model = self.compiled.model_now() if self.compiled is not None else self.arrivals.model
-            ps.pnow[reqs] = model.p_many(reqs)
-        stops, b = self._plan
-        later = [y for y in stops if y > i]
-        self._arrive(i + 1, later[0] + 1 if later else b)
+        ps.si[RB_NEXT] = 0
+        x = a
+        for k, y in enumerate(range(a + (-(done + 1)) % every, b, every)):  # request i is arrival done + 1 + i - a
+            self._arrive(x, y + 1)
+            if not ps.req[R_FLAGS, y] & REFIT:
+                raise RuntimeError(f"saecache twin: a rebinning at request {y}, which does not refit")
+            ps.req[R_FLAGS, y] |= REBIN_AT
+            ps.rbr[k] = self.compiled.rates if self.compiled is not None else self.arrivals.model.rates
+            ps.rbb[k] = self.arrivals.model.beta
+            x = y + 1
+        self._arrive(x, b)
 
     def _arrive(self, a: int, b: int) -> None:
         ps = self.state

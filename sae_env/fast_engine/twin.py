@@ -71,15 +71,8 @@ class Twin:
         """The state as the policy's ``import_state`` takes it (slot ``i`` = block ``i``)."""
         raise NotImplementedError
 
-    def prepare(self, a: int, b: int) -> list[int] | None:
-        """Requests ``a .. b-1`` are served next (a twin that computes per-request inputs ahead does it here).
-        Returns the requests (ascending, in ``a .. b-1``) before whose admission the kernel must stop for
-        :meth:`at_stop`, or None."""
-        return None
-
-    def at_stop(self, i: int) -> None:
-        """The kernel stopped where request ``i``'s admission starts (one of :meth:`prepare`'s stops): the Python work
-        it needs first."""
+    def prepare(self, a: int, b: int) -> None:
+        """Requests ``a .. b-1`` are served next (a twin that computes per-request inputs ahead does it here)."""
 
     def begin_window(self) -> None:
         """The replay starts a window (the policy's ``reset_window``)."""

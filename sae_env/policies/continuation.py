@@ -320,15 +320,23 @@ class ContinuationModel:
 
     def p_many(self, idx: np.ndarray) -> np.ndarray:
         """:meth:`p` of the requests ``idx`` at once (float64), without moving the block of ``z @ beta`` that
-        :meth:`p` reads: SAECache's ``rebin`` asks about many scattered earlier requests at a time. The same
-        arithmetic in numpy, so a value may differ from :meth:`p`'s in its last bits."""
+        :meth:`p` reads: SAECache's ``rebin`` asks about many scattered earlier requests at a time. ``z @ beta`` is
+        summed feature by feature (elementwise, each step rounded as a scalar loop rounds it) and the logistic takes
+        libm's ``log`` and ``exp`` one request at a time, so the compiled engine's copy (``_p_now`` in
+        :mod:`sae_env.fast_engine.saecache`) gives the same floats from the same rates and ``beta``; a value may
+        differ from :meth:`p`'s (a matrix product) in its last bits."""
         idx = np.asarray(idx, dtype=np.int64)
         r = np.asarray(self._rates)[self._bucket_a[idx]]
         if not self.features:
             return r
+        z, beta = self.feature_rows(idx), self.beta
+        zb = z[:, 0] * beta[0]
+        for j in range(1, z.shape[1]):
+            zb += z[:, j] * beta[j]
         r = np.clip(r, P_CLIP, 1.0 - P_CLIP)
-        x = np.log(r / (1.0 - r)) + self.feature_rows(idx) @ self.beta
-        return 1.0 / (1.0 + np.exp(-np.maximum(x, -700.0)))
+        log, exp = math.log, math.exp
+        return np.array([1.0 / (1.0 + exp(-max(log(a / (1.0 - a)) + b, -700.0)))
+                         for a, b in zip(r.tolist(), zb.tolist(), strict=True)], dtype=np.float64)
 
     def zb_at(self, i: int) -> np.ndarray:
         """``z @ beta`` of the block of requests from ``i`` (1024 of them, fewer at the trace's end), kept for
