@@ -11,7 +11,6 @@ run fall back to the Python engine with the reason.
 
 from __future__ import annotations
 
-from collections import namedtuple
 from contextlib import contextmanager
 from unittest.mock import patch
 
@@ -284,16 +283,13 @@ def test_session_traces_agree_with_rebin(trace, capacity, window, ghosts, output
     assert_same_windows(py, fast)
 
 
-Rows = namedtuple("Rows", "si rbr rbb rbucket rz")  # the fields of SAEState that _p_now reads
-
-
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), features=st.booleans(), scale=st.sampled_from([0.01, 1.0, 30.0]),
        edge=st.booleans())
 def test_kernel_probabilities_are_the_models(seed, features, scale, edge):
-    """_p_now, from a row of rates and beta, gives ContinuationModel.p_many's floats bit for bit on a real trace's
-    requests: random rates (with 0 and 1 among them, which the model clips) and beta (large enough to reach the
-    logistic's floor)."""
+    """_p_now, from the model's rates and beta, gives ContinuationModel.p_many's floats bit for bit on a real
+    trace's requests: random rates (with 0 and 1 among them, which the model clips) and beta (large enough to reach
+    the logistic's floor)."""
     trace = real("wildchat", 500)
     model = ContinuationModel(features=features)
     model.bind(trace)
@@ -304,11 +300,9 @@ def test_kernel_probabilities_are_the_models(seed, features, scale, edge):
     model._rates = rates.tolist()
     model.beta = rng.normal(0.0, scale, model.beta.size)
     n = len(trace)
-    rows = Rows(si=np.zeros(fast_sae.RB_FEAT + 1, dtype=np.int64), rbr=np.stack([np.zeros_like(rates), rates]),
-                rbb=np.stack([np.zeros_like(model.beta), model.beta]),
-                rbucket=np.asarray(model.turn_buckets, dtype=np.int32), rz=model.feature_rows(slice(0, n)))
-    rows.si[fast_sae.RB_FEAT] = features
-    assert np.array_equal([fast_sae._p_now(rows, r, 1) for r in range(n)], model.p_many(np.arange(n)))
+    bucket, z = np.asarray(model.turn_buckets, dtype=np.int32), model.feature_rows(slice(0, n))
+    kernel = [fast_sae._p_now(rates, model.beta, bucket, z, features, r) for r in range(n)]
+    assert np.array_equal(kernel, model.p_many(np.arange(n)))
 
 
 @pytest.mark.parametrize("trace_name", ["wildchat", "mooncake_synthetic", "taubench", "real_chat"])
@@ -476,8 +470,8 @@ def test_the_scans_lower_bound_is_close_where_it_is_used():
 @given(ops=st.lists(st.tuples(st.integers(0, 15), st.integers(0, 3), st.integers(1, 2)), max_size=80),
        probes=st.lists(st.integers(0, 4 << 33), max_size=10))
 def test_treap_orders_slots_like_a_sorted_list(ops, probes):
-    """Slots join (if out) or leave (if in) in any order: lower / below answer as a sorted list of the keys does
-    (stamps are unique, as release stamps are)."""
+    """Slots join (if out) or leave (if in) in any order: lower / below / after answer as a sorted list of the keys
+    does (stamps are unique, as release stamps are)."""
     rec = np.zeros((16, 16), dtype=np.int32)
     root = np.full(1, -1, dtype=np.int64)
     members: set[int] = set()
@@ -495,6 +489,11 @@ def test_treap_orders_slots_like_a_sorted_list(ops, probes):
             lt = [m for key, m in keys if key < k]
             assert treap.lower(root, rec, k) == (ge[0] if ge else -1)
             assert treap.below(root, rec, k) == (lt[-1] if lt else -1)
+        walk, x = [], treap.lower(root, rec, 0)
+        while x >= 0 and len(walk) <= len(keys):
+            walk.append(x)
+            x = treap.after(rec, x)
+        assert walk == [m for _, m in keys]
 
 
 # ----------------------------------------------------------------------------------------------------------------

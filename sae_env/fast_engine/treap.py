@@ -15,7 +15,7 @@ import numpy as np
 from sae_env.fast_engine.jit import inline, jit
 from sae_env.fast_engine.loop import P0, P1, P2, P3, P4, P5
 
-__all__ = ["GROUP", "LEFT", "RIGHT", "STAMP", "UP", "WHERE", "below", "delete", "insert", "key", "lower"]
+__all__ = ["GROUP", "LEFT", "RIGHT", "STAMP", "UP", "WHERE", "after", "below", "delete", "insert", "key", "lower"]
 
 STAMP, GROUP, WHERE, LEFT, RIGHT, UP = P0, P1, P2, P3, P4, P5
 
@@ -127,3 +127,17 @@ def below(root, rec, k):
         else:
             x = rec[x, LEFT]
     return best
+
+
+@inline
+def after(rec, s):
+    """The slot of the next key after member ``s``'s (-1: none): in-order, O(1) amortised over a walk."""
+    x = rec[s, RIGHT]
+    if x >= 0:
+        while rec[x, LEFT] >= 0:
+            x = rec[x, LEFT]
+        return x
+    p = rec[s, UP]
+    while p >= 0 and rec[p, RIGHT] == s:
+        s, p = p, rec[p, UP]
+    return p
