@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_saecache import session_traces
 
 from sae_env.fast_engine import AVAILABLE
-from sae_env.fast_engine.arrivals import REBIN_AT, REFIT, STRUCTURAL, CompiledArrivals, compiled
+from sae_env.fast_engine.arrivals import REFIT, STRUCTURAL, CompiledArrivals, compiled
 from sae_env.policies.arrivals import Arrivals
 from sae_env.policies.continuation import ContinuationModel
 from sae_env.policies.saecache import PARAM_SPECS, gap_models
@@ -89,39 +89,6 @@ def test_small_buffer_and_growth_give_the_same_arrivals():
     assert got == want
     assert c.state.pq_req.size > 1024  # grown
     same_state(c.save().export_state(), ref.export_state())
-
-
-@pytest.mark.parametrize(("name", "every", "cuts"), [("mooncake_synthetic", 64, [900, 901, 2000]),
-                                                   ("wildchat", 128, [127, 128, 500]),
-                                                   ("mooncake_arxiv", 64, [63, 64, 65])])
-def test_rebin_rows_are_the_model_after_each_rebinning_arrival(name, every, cuts):
-    """SAECache's rebin: the compiled arrivals keep the model's rates and beta after every ``every``-th arrival,
-    float for float as the Python model has them then, whatever the windows, and flag those requests alone."""
-    trace, _ = open_trace(name)
-    n = len(trace)
-    ref = arrivals_for(trace)
-    want = []
-    for i, now in enumerate(trace.t.tolist()):
-        ref.arrive(trace, i, now)
-        if (i + 1) % every == 0:
-            want.append(np.concatenate([ref.model.rates, ref.model.beta]))
-    fast = arrivals_for(trace)
-    flags, got = np.zeros(n, dtype=np.int8), []
-    scratch = [np.zeros(n, dtype=np.int8), np.zeros(n, dtype=np.int8), np.zeros(n)]
-    bounds = sorted({0, n, *cuts})
-    c = CompiledArrivals(fast)
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
-        first = lo + (-(int(c.state.ai[0]) + 1)) % every  # request lo is arrival ai[ARRIVALS] + 1
-        rows = np.full((n // every + 2, len(want[0])), np.nan)
-        c.run(lo, hi, scratch[0], scratch[1], flags, scratch[2], (rows, first, every))
-        got += list(rows[:len(range(first, hi, every))])
-        c = CompiledArrivals(c.save())
-    assert len(got) == len(want) == n // every
-    for k, (x, y) in enumerate(zip(got, want, strict=True)):
-        np.testing.assert_array_equal(x, y, err_msg=f"rebinning {k}")
-    assert np.array_equal(np.flatnonzero(flags & REBIN_AT), np.arange(every - 1, n, every))
-    assert np.all(flags[flags & REBIN_AT != 0] & REFIT)
-    assert len({x.tobytes() for x in want}) > len(want) // 2  # the model moves between rebinnings
 
 
 @settings(max_examples=40, deadline=None)

@@ -59,7 +59,7 @@ RATES, ALIVE, CONTINUED, ENDED = range(4)
 # that entry's place in the model's dict, the queue of its last arrival.
 S_RANK, S_LAST, S_LAST_RANK, S_QUEUE = range(4)
 PQ_T, PQ_W = range(2)  # per pending request (float64): its arrival, its soft weight (NaN: labelled since the refit)
-REFIT, STRUCTURAL, REBIN_AT = 1, 2, 4  # request flags, as the compiled SAECache reads them (REBIN_AT: run())
+REFIT, STRUCTURAL = 1, 2  # request flags, as the compiled SAECache reads them
 
 
 class ArrivalState(NamedTuple):
@@ -181,15 +181,11 @@ def _add_gap(gap, q, dt):
 
 
 @jit
-def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst, beta, rb, rb_from, rb_every):
+def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
     """Arrivals.arrive for requests ``i0 .. i1-1`` (arriving at ``times[i]``): their queue, continuation bin, flags
     and structural rate in ``out_*[i]``. Returns ``(i, why)``: ``i`` the request it stopped at (``i1``: DONE), before
     anything of it was done, to have its due refit run (REFIT_DUE) or its refresh (STALE), its z @ beta block computed
-    (NEED_ZB) or the pending arrays grown (NEED_ROOM).
-
-    SAECache's rebin (``rb_every`` > 0): after request ``rb_from + k * rb_every`` (a refitting arrival) it keeps the
-    model as that arrival left it, its per-turn rates then ``beta`` (the model's, which changes only at the refits
-    run() stops for), in row ``k`` of ``rb``, and flags the request REBIN_AT."""
+    (NEED_ZB) or the pending arrays grown (NEED_ROOM)."""
     st = borrow(st)  # no reference counting inside (jit.borrow says why)
     ai = st.ai
     has_model, density = ai[HAS_MODEL], ai[DENSITY]
@@ -250,16 +246,7 @@ def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst, beta, rb, rb_fro
         out_slot[i] = slot
         out_flags[i] = (REFIT if refit else 0) + structural
         out_pst[i] = st.af[P_ST]
-        if rb_every and i >= rb_from and (i - rb_from) % rb_every == 0:
-            k = (i - rb_from) // rb_every
-            nb = st.counts.shape[1]
-            rb[k, :nb] = st.counts[RATES]
-            rb[k, nb:] = beta
-            out_flags[i] += REBIN_AT
     return i1, DONE
-
-
-_NO_ROWS, _NO_BETA = np.zeros((1, 1)), np.zeros(1)  # run()'s rebin arguments when unused
 
 
 def _split(ids: np.ndarray, known: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -351,20 +338,15 @@ class CompiledArrivals:
             lab_y=lab_y, zb=zb, ai=ai, af=af)
 
     def run(self, a: int, b: int, out_q: np.ndarray, out_slot: np.ndarray, out_flags: np.ndarray,
-            out_pst: np.ndarray, rebin: tuple[np.ndarray, int, int] | None = None) -> None:
+            out_pst: np.ndarray) -> None:
         """Requests ``a .. b-1`` arrive (at their trace times): what :meth:`Arrivals.arrive` returns for each, in
-        ``out_*[i]`` (the structural rate after it in ``out_pst``). ``rebin``: ``(rows, first, every)``, the model
-        kept after request ``first`` and every ``every`` requests after it (see the kernel, run())."""
+        ``out_*[i]`` (the structural rate after it in ``out_pst``)."""
         times = self.arrivals.trace.t
-        model = self.arrivals.model
-        if model is not None:
-            self.state.af[STALE_AFTER] = model.stale_after(self.arrivals.gaps)
-        rows, first, every = rebin if rebin is not None else (_NO_ROWS, 0, 0)
+        if self.arrivals.model is not None:
+            self.state.af[STALE_AFTER] = self.arrivals.model.stale_after(self.arrivals.gaps)
         i = a
         while True:
-            # the model's beta now: the refits run() stops for move it
-            beta = np.ascontiguousarray(model.beta, dtype=np.float64) if model is not None else _NO_BETA
-            i, why = run(self.state, i, b, times, out_q, out_slot, out_flags, out_pst, beta, rows, first, every)
+            i, why = run(self.state, i, b, times, out_q, out_slot, out_flags, out_pst)
             if why == DONE:
                 return
             if why == REFIT_DUE or why == STALE:
@@ -382,6 +364,11 @@ class CompiledArrivals:
         pq_req, pq = np.zeros(2 * n, dtype=np.int64), np.zeros((2, 2 * n))
         pq_req[:n], pq[:, :n] = st.pq_req[:n], st.pq[:, :n]
         self.state = st._replace(pq_req=pq_req, pq=pq)
+
+    @property
+    def rates(self) -> np.ndarray:
+        """The model's per-turn continuation rates as the arrivals run so far left them (a view: copy to keep)."""
+        return self.state.counts[RATES]
 
     def _counts_to_model(self) -> None:
         st = self.state

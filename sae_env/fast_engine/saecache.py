@@ -12,14 +12,13 @@ insertion rate) re-estimated at each refit, the occupancy and hits per queue.
 
 One question mixes both: under ``rebin`` a refit moves each evictable chat or agent block to the bin of its releasing
 request as the model sees that request at the refit. The model's answer must be the Python policy's, to the last
-bit, and the question (which requests released the cached blocks) depends on the cache. So the arrivals, run ahead,
-keep what the answer needs from the model as each rebinning refit leaves it (its per-turn rates and ``beta``: a row
-of ``rb`` each; the compiled arrivals write it as they pass that request), and the kernel, at that refit, computes
-``ContinuationModel.p_many`` itself (_p_now: the same operations, libm's log and exp) for the requests that released
-the cached blocks, from every request's turn bucket and feature row (copied at load), and moves the blocks
-(_rebin_blocks: the evictable chat and agent blocks are found from their groups' ranges of the treap, not among all
-slots). Each block keeps its releasing request (``relby``); the bins of the last rebinning are the requests whose
-``bmark`` is the current one.
+bit, and the question (which requests released the cached blocks) depends on the cache. So the twin, running the
+arrivals ahead, keeps what the answer needs from the model as each rebinning refit leaves it (its per-turn rates and
+``beta``: a row each), and the kernel, at that refit, computes ``ContinuationModel.p_many`` itself (_p_now: the same
+operations, libm's log and exp) for the requests that released the cached blocks, from every request's turn bucket
+and feature row (copied at load), and moves the blocks (_rebin_blocks: the evictable chat and agent blocks are
+found from their groups' ranges of the treap, not among all slots). Each block keeps its releasing request
+(``relby``); the bins of the last rebinning are the requests whose ``bmark`` is the current one.
 
 Victims. The Python policy keeps, per group (queue, type when typed, continuation bin, value bin under hit_value),
 its released leaves in a recency list and the blocks that became leaves later in returned-heaps, and scores three
@@ -66,7 +65,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sae_env.fast_engine import treap as tp
-from sae_env.fast_engine.arrivals import ARRIVALS, REBIN_AT, REFIT, STRUCTURAL, compiled, slot_of
+from sae_env.fast_engine.arrivals import ARRIVALS, compiled, slot_of
 from sae_env.fast_engine.jit import implements, inline, jit
 from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QUEUE, N
 from sae_env.fast_engine.treap import GROUP, STAMP, WHERE
@@ -104,18 +103,18 @@ BOUND_MARGIN = 1.0 - 1e-6
 # group a scan chose last (scanned first: the least score found early lets the bounds skip more groups; -1: none),
 # whether a chat or agent block's group carries its value bin (hit_value); rebin: whether it is on, the request the
 # last completion served (whose blocks the next release frees: SAECachePolicy._completing), and the rebinnings so far
-# plus one (a request's bin is current when its bmark is this), the model's row the next rebinning reads (rb: counted
-# from 0 in each window, as Twin.prepare has them written), whether the model has features (continuation.features),
-# its turn buckets (rb's rates end there, its beta follows).
+# plus one (a request's bin is current when its bmark is this), the model's row the next rebinning reads (rbr, rbb:
+# counted from 0 in each window, as Twin.prepare writes them), whether the model has features (continuation.features).
 SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
     MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED, REBIN, COMPLETING, \
-    RB_MARK, RB_NEXT, RB_FEAT, RB_NB = range(30)
+    RB_MARK, RB_NEXT, RB_FEAT = range(29)
 NOT_RELEASED = -2  # rebin: a slot's releasing request when none (-1: released before any completion)
 # Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
 # structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity,
 # the position decay's power gamma, the ranking clock's step as a fraction of the horizon (clock_step).
 CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, EXP_MEAN_CH, CAPACITY, GAMMA, CLOCK = range(11)
 N_ST = 16  # structural groups are queue-type codes 8 .. 15 (they carry no continuation bin)
+REFIT, STRUCTURAL, REBIN_AT = 1, 2, 4  # request flags (REBIN_AT: the refit there rebins, set by Twin.prepare)
 
 
 # The state's packed rows (a kernel loads and unboxes every array of its state tuple: each costs ~55 us at a
@@ -168,7 +167,8 @@ class SAEState(NamedTuple):
     bmark: np.ndarray  # int64 per request
     rbucket: np.ndarray  # int32 per request (ContinuationModel.turn_buckets)
     rz: np.ndarray  # float64 [request, feature] (ContinuationModel.feature_rows; one entry without features)
-    rb: np.ndarray  # float64 [rebinning, turn bucket | feature]: ContinuationModel.rates, then its beta (from RB_NB)
+    rbr: np.ndarray  # float64 [rebinning, turn bucket]: ContinuationModel.rates
+    rbb: np.ndarray  # float64 [rebinning, feature]: ContinuationModel.beta
 
 
 # -- the groups' sets ------------------------------------------------------------------------------------------------
@@ -610,7 +610,7 @@ def _changed(ps):
 
 @inline
 def _p_now(rates, beta, bucket, z, features, r):
-    """ContinuationModel.p_many of request ``r`` from the model's ``rates`` and ``beta`` (the two parts of a row of rb),
+    """ContinuationModel.p_many of request ``r`` from the model's ``rates`` and ``beta`` (a row of rbr and of rbb),
     the requests' turn buckets and feature rows (rbucket, rz): the same operations in the same order (``z @ beta``
     feature by feature, then libm's log and exp)."""
     rate = rates[bucket[r]]
@@ -643,8 +643,7 @@ def _rebin_blocks(ps, rec, n, k):
         return
     mark = ps.si[RB_MARK] + 1  # the releasing requests of the cached blocks (of slots 0 .. n-1), each asked once
     ps.si[RB_MARK] = mark
-    row, nb = ps.rb[k], ps.si[RB_NB]
-    rates, beta, bucket, z, features = row[:nb], row[nb:], ps.rbucket, ps.rz, ps.si[RB_FEAT]
+    rates, beta, bucket, z, features = ps.rbr[k], ps.rbb[k], ps.rbucket, ps.rz, ps.si[RB_FEAT]
     for s in range(n):
         r = relby[s]
         if r >= 0 and bmark[r] != mark:
@@ -912,7 +911,7 @@ class SAECacheTwin(Twin):
         win_t0, has_t0 = _opt(state["window_t0"])
         cand_now, cand_ok = _opt(state["cand_now"])
         sampled = not sw["density"] or sw["position_decay"]  # as SAECachePolicy._st_sampled
-        si = np.zeros(30, dtype=np.int64)
+        si = np.zeros(29, dtype=np.int64)
         si[LAST_G], si[REBIN], si[COMPLETING] = -1, sw["rebin"], -1
         si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
             TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, VALUED]] = [
@@ -952,7 +951,6 @@ class SAECacheTwin(Twin):
             bmark=np.zeros(m if sw["rebin"] else 1, dtype=np.int64), **self._model_rows(m))
         si[RB_MARK] = 1
         si[RB_FEAT] = sw["rebin"] and arrivals.model.features
-        si[RB_NB] = arrivals.model.rates.size if sw["rebin"] else 0
         if sw["rebin"]:  # as SAECachePolicy.import_state: releasing requests before any completion are forgotten
             by = state["released_by"]
             self.state.relby[:n] = np.where(by >= 0, by, NOT_RELEASED)
@@ -996,47 +994,44 @@ class SAECacheTwin(Twin):
                     ps.coef[k * GROUP_SLOT + q * _TYPES + t] = c
 
     def _model_rows(self, m: int) -> dict[str, np.ndarray]:
-        """rebin's arrays for the model's answers (SAEState: rbucket, rz, rb), sized for ``m`` requests: a row of
-        rates and beta for each rebinning a window can hold (one entry each when off)."""
+        """rebin's arrays for the model's answers (SAEState: rbucket, rz, rbr, rbb), sized for ``m`` requests: a row
+        of rates and beta for each rebinning a window can hold (one entry each when off)."""
         if not self.policy.switches["rebin"]:
-            return {"rbucket": np.zeros(1, dtype=np.int32), "rz": np.zeros((1, 1)), "rb": np.zeros((1, 1))}
+            return {"rbucket": np.zeros(1, dtype=np.int32), "rz": np.zeros((1, 1)), "rbr": np.zeros((1, 1)),
+                    "rbb": np.zeros((1, 1))}
         model = self.arrivals.model
         features = model.features
         rows = m // (REFIT_EVERY * self.policy.rebin_every) + 1
         return {"rbucket": np.asarray(model.turn_buckets, dtype=np.int32),
                 "rz": model.feature_rows(slice(0, m)) if features else np.zeros((1, 1)),
-                "rb": np.zeros((rows, model.rates.size + model.beta.size))}
+                "rbr": np.zeros((rows, model.rates.size)), "rbb": np.zeros((rows, model.beta.size))}
 
     def prepare(self, a: int, b: int) -> None:
-        """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring). Under rebin the model's
-        rates and beta are kept after each rebinning refit, a row of ``rb`` each, and the request is flagged REBIN_AT:
-        by the compiled arrivals as they run, by the Python ones in pieces that end there."""
+        """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring). Under rebin, in pieces
+        that end at each rebinning refit, where the model's rates and beta are kept for the kernel (rbr, rbb) and the
+        request is flagged REBIN_AT."""
         if not self.policy.switches["rebin"]:
             self._arrive(a, b)
             return
         ps = self.state
         done = self.compiled.state.ai[ARRIVALS] if self.compiled is not None else self.arrivals.arrivals
         every = REFIT_EVERY * self.policy.rebin_every
-        first = a + (-(done + 1)) % every  # request i is arrival done + 1 + i - a
         ps.si[RB_NEXT] = 0
-        if self.compiled is not None:
-            self._arrive(a, b, (ps.rb, first, every))
-        else:
-            nb, model = ps.si[RB_NB], self.arrivals.model
-            x = a
-            for k, y in enumerate(range(first, b, every)):
-                self._arrive(x, y + 1)
-                ps.req[R_FLAGS, y] |= REBIN_AT
-                ps.rb[k, :nb], ps.rb[k, nb:] = model.rates, model.beta
-                x = y + 1
-            self._arrive(x, b)
-        if not np.all(ps.req[R_FLAGS, first:b:every] & REFIT):
-            raise RuntimeError("saecache twin: a rebinning at a request that does not refit")
+        x = a
+        for k, y in enumerate(range(a + (-(done + 1)) % every, b, every)):  # request i is arrival done + 1 + i - a
+            self._arrive(x, y + 1)
+            if not ps.req[R_FLAGS, y] & REFIT:
+                raise RuntimeError(f"saecache twin: a rebinning at request {y}, which does not refit")
+            ps.req[R_FLAGS, y] |= REBIN_AT
+            ps.rbr[k] = self.compiled.rates if self.compiled is not None else self.arrivals.model.rates
+            ps.rbb[k] = self.arrivals.model.beta
+            x = y + 1
+        self._arrive(x, b)
 
-    def _arrive(self, a: int, b: int, rebin: tuple[np.ndarray, int, int] | None = None) -> None:
+    def _arrive(self, a: int, b: int) -> None:
         ps = self.state
         if self.compiled is not None:
-            self.compiled.run(a, b, ps.req[R_Q], ps.req[R_SLOT], ps.req[R_FLAGS], ps.req_pst, rebin)
+            self.compiled.run(a, b, ps.req[R_Q], ps.req[R_SLOT], ps.req[R_FLAGS], ps.req_pst)
             return
         arrivals, trace = self.arrivals, self.trace
         t = trace.t[a:b].tolist()
