@@ -652,14 +652,15 @@ def _rebin_blocks(ps, rec, n, k):
     # the evictable chat and agent blocks, from their groups' ranges of the treap (on mooncake_synthetic at 10 %,
     # 70 of 4,015 slots): gathered first, as the moves reshape the treap
     gi, gl, root = ps.gi, ps.gl, ps.root
+    seen = gi[G_ORDER, :ps.si[N_SEEN]]  # the groups that ever held a block, as _select goes over them
     m = 0
-    for g in range(gi.shape[1]):
+    for g in seen:
         q = (g % GROUP_SLOT) // _TYPES
         if q == CH or q == AG:
             m += gi[G_COUNT, g]
     members = np.empty(m, dtype=np.int64)
     m = 0
-    for g in range(gi.shape[1]):
+    for g in seen:
         q = (g % GROUP_SLOT) // _TYPES
         if (q == CH or q == AG) and gi[G_COUNT, g]:
             s = tp.lower(root, rec, np.int64(g) << 33)
