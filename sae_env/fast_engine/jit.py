@@ -66,6 +66,8 @@ except ImportError:  # pragma: no cover - exercised only where numba is not inst
 
 _PACKAGE = Path(__file__).resolve().parent
 
+from sae_env.fast_engine.cache_load import load_without_linking_ir  # noqa: E402 (numba's cache loads, made lazy)
+
 if AVAILABLE:
     from numba.core import cgutils
     from numba.core import types as nbtypes
@@ -260,6 +262,7 @@ if AVAILABLE:
     _stamp_the_whole_package(_STAMP)
     _unreadable_index_is_a_miss(_STAMP)
     _copy_callee_ir_once()
+    load_without_linking_ir()
 
 
 # The no-op of each hook (evict has none: a policy must choose its victims).
