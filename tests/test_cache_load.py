@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import pickle
 import subprocess
 import sys
@@ -9,6 +10,8 @@ import textwrap
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 numba = pytest.importorskip("numba")
 
@@ -66,6 +69,42 @@ def test_not_an_elf_object_is_none():
     assert cache_load.elf_defined_symbols(b"\xcf\xfa\xed\xfe" + bytes(100)) is None  # Mach-O
     assert cache_load.elf_defined_symbols(b"\x7fELF\x01\x01" + bytes(100)) is None  # 32-bit
     assert cache_load.elf_defined_symbols(b"\x7fELF\x02\x01" + bytes(58) + b"\xff\xff\x40\x00" + bytes(40)) is None
+
+
+@functools.cache
+def _an_object() -> bytes:
+    """One real kernel's object code (treap.lower's, cached by now)."""
+    treap.lower(np.array([-1], dtype=np.int64), np.zeros((2, 8), dtype=np.int32), np.int64(0))  # cached by now
+    return next(obj for name, obj, _ in _cached_libraries() if name.startswith("treap.lower"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_damaged_objects_give_none_or_names_never_an_error(data):
+    """Fuzz: a real kernel's object cut short or with bytes overwritten is read as None (numba then loads it its
+    own way) or as a set of names; nothing raises out of the loader."""
+    obj = bytearray(_an_object())
+    if data.draw(st.booleans()):
+        del obj[data.draw(st.integers(0, len(obj))):]
+    for _ in range(data.draw(st.integers(0, 8))):
+        if obj:
+            obj[data.draw(st.integers(0, len(obj) - 1))] = data.draw(st.integers(0, 255))
+    names = cache_load.elf_defined_symbols(bytes(obj))
+    assert names is None or (isinstance(names, set) and all(isinstance(n, str) for n in names))
+
+
+def test_an_object_without_a_symbol_table_is_none():
+    """Its names unknown, numba's own load decides (a set, even empty, would register what it says)."""
+    import struct
+
+    obj = bytearray(_an_object())
+    assert cache_load.elf_defined_symbols(bytes(obj))
+    shoff, = struct.unpack_from("<Q", obj, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", obj, 0x3A)
+    for i in range(shnum):
+        if struct.unpack_from("<I", obj, shoff + i * shentsize + 4)[0] == 2:  # SHT_SYMTAB -> SHT_NOTE
+            struct.pack_into("<I", obj, shoff + i * shentsize + 4, 7)
+    assert cache_load.elf_defined_symbols(bytes(obj)) is None
 
 
 def test_a_function_compiled_later_links_a_lazily_loaded_kernel():

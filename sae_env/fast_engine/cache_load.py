@@ -27,18 +27,27 @@ _SHN_UNDEF = 0
 
 def elf_defined_symbols(obj: bytes) -> set[str] | None:
     """The names of the symbols that ELF64 little-endian object ``obj`` defines (any binding, not the file and
-    section symbols); None if ``obj`` is not such an object."""
+    section symbols); None if ``obj`` is not such an object, or not a well-formed one (numba then loads it)."""
     if len(obj) < 64 or obj[:4] != b"\x7fELF" or obj[4] != 2 or obj[5] != 1:
         return None
+    try:
+        return _symbols(obj)
+    except (struct.error, ValueError, IndexError):  # ValueError: a name without its NUL, or not UTF-8
+        return None
+
+
+def _symbols(obj: bytes) -> set[str] | None:
     shoff, = struct.unpack_from("<Q", obj, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", obj, 0x3A)
     if shentsize < 64 or shoff + shnum * shentsize > len(obj):
         return None
     sections = [struct.unpack_from("<IIQQQQIIQQ", obj, shoff + i * shentsize) for i in range(shnum)]
     names: set[str] = set()
+    tables = 0
     for _, kind, _, _, offset, size, link, _, _, entsize in sections:
         if kind != _SHT_SYMTAB:
             continue
+        tables += 1
         if entsize != 24 or link >= shnum or offset + size > len(obj):
             return None
         strtab = sections[link][4]
@@ -47,7 +56,7 @@ def elf_defined_symbols(obj: bytes) -> set[str] | None:
                 continue
             start = strtab + st_name
             names.add(obj[start:obj.index(b"\0", start)].decode())
-    return names
+    return names if tables else None  # numba's objects have one: without it, numba's own load decides
 
 
 def load_without_linking_ir() -> bool:
