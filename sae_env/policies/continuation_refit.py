@@ -13,7 +13,7 @@ to load from numba's disk cache in each process, more than all the refits of a s
 process runs :func:`settle` in numpy until the time it has spent there (estimated from the rows) reaches that load
 cost, and compiled from then on: it never pays more than twice the better choice made with hindsight (the ski-rental
 bound), and a short trace never loads the compiled form. Once loaded (by any caller), the compiled form is used at
-once. That load time holds where numba already runs in the process (the compiled engine's kernels have run: 4.6-4.9 ms
+once. That load time holds where numba already runs in the process (the compiled engine's kernels have run: 1.3-1.6 ms
 measured here); numba's own start costs 0.4-0.5 s more, so a caller opts in (``compiled=True``) only from the compiled
 engine, and the Python engine's refits stay numpy.
 """
@@ -28,11 +28,12 @@ from sae_env.fast_engine.jit import AVAILABLE, jit
 __all__ = ["AVAILABLE", "RATES", "ALIVE", "CONTINUED", "ENDED", "LOAD_US", "settle", "settle_loops", "settle_numpy"]
 
 RATES, ALIVE, CONTINUED, ENDED = range(4)  # rows of the per-turn counts (float64 [4, turn bucket])
-# Time to load the compiled form from numba's disk cache in a process where numba already runs (measured here: 4.6-4.9
-# ms), and the numpy form's time per call, estimated from its rows (measured here, warm: 55-60 us a call with 10-100
-# rows, 102 us with 1,500, 146 us with 6,000).
-LOAD_US = 4800.0
-_NUMPY_US_PER_CALL, _NUMPY_US_PER_ROW = 55.0, 0.015
+# Time to load the compiled form from numba's disk cache in a process where numba already runs (measured on one
+# machine: 1.3-1.6 ms, its kernels loaded as sae_env.fast_engine.cache_load loads them; 3.1-3.3 ms there with numba's
+# own loading, 4.6-4.9 ms on an earlier machine), and the numpy form's time per call, estimated from its rows (measured
+# on the same machine, warm: 27-29 us a call with 10-100 rows, 54 us with 1,500, 170 us with 6,000).
+LOAD_US = 1500.0
+_NUMPY_US_PER_CALL, _NUMPY_US_PER_ROW = 27.0, 0.024
 _spent_us = 0.0  # this process's estimated time in the numpy form so far
 
 
