@@ -73,8 +73,8 @@ def test_not_an_elf_object_is_none():
 
 @functools.cache
 def _an_object() -> bytes:
-    """One real kernel's object code (treap.lower's, cached by now)."""
-    treap.lower(np.array([-1], dtype=np.int64), np.zeros((2, 8), dtype=np.int32), np.int64(0))  # cached by now
+    """One real kernel's object code (treap.lower's, in numba's disk cache once it has been called)."""
+    treap.lower(np.array([-1], dtype=np.int64), np.zeros((2, 8), dtype=np.int32), np.int64(0))
     return next(obj for name, obj, _ in _cached_libraries() if name.startswith("treap.lower"))
 
 
@@ -131,8 +131,6 @@ def test_a_function_compiled_later_links_a_lazily_loaded_kernel():
         linked = through(root, rec, k)
         print(direct, lazy_before, hasattr(library, "_linking_bitcode"), linked)
     """)
-    root = np.array([-1], dtype=np.int64)  # warm the cache here, so the subprocess loads and does not compile
-    rec = np.zeros((2, 8), dtype=np.int32)
-    treap.lower(root, rec, np.int64(0))
+    _an_object()  # cached here, so the subprocess loads it and does not compile it
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["2", "True", "False", "102"]  # slot 2 (stamp 20) is the least key >= stamp 15

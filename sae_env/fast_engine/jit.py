@@ -66,8 +66,6 @@ except ImportError:  # pragma: no cover - exercised only where numba is not inst
 
 _PACKAGE = Path(__file__).resolve().parent
 
-from sae_env.fast_engine.cache_load import load_without_linking_ir  # noqa: E402 (numba's cache loads, made lazy)
-
 if AVAILABLE:
     from numba.core import cgutils
     from numba.core import types as nbtypes
@@ -262,6 +260,8 @@ if AVAILABLE:
     _stamp_the_whole_package(_STAMP)
     _unreadable_index_is_a_miss(_STAMP)
     _copy_callee_ir_once()
+    from sae_env.fast_engine.cache_load import load_without_linking_ir
+
     load_without_linking_ir()
 
 
