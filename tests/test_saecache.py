@@ -909,8 +909,9 @@ def test_structural_gap_stats_match_the_trace():
     assert got[2] == pytest.approx(sum(x * x for x in lg), rel=1e-9)
 
 
-@pytest.mark.parametrize("timed,rebin", [(False, False), (True, False), (False, True)])
-def test_decisions_never_read_the_future(timed, rebin):
+@pytest.mark.parametrize("timed,rebin,empirical", [(False, False, False), (True, False, False), (False, True, False),
+                                                  (False, False, True)])
+def test_decisions_never_read_the_future(timed, rebin, empirical):
     """The default policy with its online learners, on the trace and on the trace cut after request k: the same hits
     for every request before k (and, in instant mode, the same victims). Nothing a decision uses may come from a
     later request: not the continuation model, the turnover time, the learners, nor anything bind() precomputes."""
@@ -920,7 +921,7 @@ def test_decisions_never_read_the_future(timed, rebin):
     cap = max(1, int(0.05 * trace.distinct_blocks()))
 
     def replay(tr):
-        policy = SAECachePolicy(rebin=rebin)
+        policy = SAECachePolicy(rebin=rebin, empirical_gaps=empirical)
         victims = record_victims(policy)
         r = Replay(tr, PrefixCache(cap, policy), make_server(SERVER) if timed else None, window_requests=25,
                    callbacks=[SAEOnlineLearner().callback()])
@@ -1075,3 +1076,69 @@ def test_rebin_state_round_trips():
         c.check_invariants()
         victims.append(v)
     assert victims[0] == victims[1] and victims[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 8. empirical_gaps: the chat and agent queues' gap shape from the gaps completed so far
+
+def test_empirical_gaps_needs_the_density_and_its_log_normal_prior():
+    for off in ({"density": False}, {"lognormal": False}):
+        with pytest.raises(ValueError, match="empirical_gaps"):
+            SAECachePolicy(empirical_gaps=True, **off)
+    with pytest.raises(ValueError, match="empirical_gaps must be true or false"):
+        make_policy("saecache", empirical_gaps="yes")
+
+
+def test_empirical_gaps_run_on_the_python_engine():
+    trace = load_source("conversations", None)[0]
+    r = Replay(trace, PrefixCache(max(1, int(0.05 * trace.distinct_blocks())), SAECachePolicy(empirical_gaps=True)))
+    assert r.engine == "python" and "empirical_gaps" in r.fast_reason
+
+
+def test_empirical_gaps_are_the_sessions_completed_gaps():
+    """The arrivals keep every chat and agent session gap as it completes (the same ones the learners' statistics
+    count), and each refit rebuilds the ranking's gap distributions from them; an exported state carries them."""
+    from sae_env.policies.arrivals import Arrivals
+    from sae_env.policies.survival import EmpiricalGaps
+
+    trace = load_source("conversations", None)[0]
+    policy = SAECachePolicy(empirical_gaps=True)
+    r = Replay(trace, PrefixCache(max(1, int(0.05 * trace.distinct_blocks())), policy), window_requests=50)
+    r.run()
+    raw = policy.arrivals.raw_gaps
+    want = []  # every chat session's gaps, in arrival order (WildChat: every session is a chat one)
+    last = {}
+    for i in range(len(trace)):
+        s = int(trace.session[i])
+        if s in last and trace.t[i] > last[s]:
+            want.append(float(trace.t[i] - last[s]))
+        last[s] = float(trace.t[i])
+    assert list(raw[CH]) == pytest.approx(want) and len(raw[AG]) == 0 and len(want) > 100
+    n_logged = sum(w.policy["gap_stats"]["chat"][0] for w in r.windows)
+    assert n_logged == len(want)
+    ranking = policy._gaps[CH]
+    assert isinstance(ranking, EmpiricalGaps) and 0 < ranking.n <= len(want)
+    state = policy.arrivals.export_state()
+    copy = Arrivals(keep_gaps=True)
+    copy.bind(trace)
+    copy.import_state(state)
+    assert list(copy.raw_gaps[CH]) == list(raw[CH])
+    plain = Arrivals()
+    plain.bind(trace)
+    plain.import_state(state)  # a policy without the switch ignores them
+    assert plain.raw_gaps is None
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=session_traces(max_requests=40), capacity=st.integers(1, 30), switches=switch_sets,
+       predictor=predictors, timed=st.booleans())
+def test_empirical_gaps_keep_the_invariants(trace, capacity, switches, predictor, timed):
+    """Refitting every third arrival (REFIT_EVERY patched) under random switches: check=True after every request and
+    the audit at every eviction. Not strict about the chat and agent victims: an empirical density need not rise then
+    fall with idle time, so a group's oldest and newest blocks need not hold its least."""
+    from sae_env.policies import arrivals
+
+    opts = {**options(switches, predictor, 8), "density": True, "lognormal": True, "empirical_gaps": True}
+    with patch.object(arrivals, "REFIT_EVERY", 3):
+        r, _ = run(trace, capacity, timed=timed, **opts)
+    assert sum(w.requests for w in r.windows) == len(trace)

@@ -6,6 +6,9 @@
   log-normal and exponential gaps, on a grid of parameters.
 * Quasi-concavity in idle time (rises, then falls): what lets SAECache take a group's least density from its oldest
   and newest blocks only.
+* The empirical gap distribution (``empirical_gaps``): the log-normal's density without gaps, its own definition with
+  them (a numerical integral of its survival), the gaps' distribution once they outnumber the prior, and finite,
+  non-negative densities for any gaps (hypothesis).
 """
 
 from __future__ import annotations
@@ -14,10 +17,20 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.integrate import quad
-from scipy.stats import lognorm
+from scipy.stats import lognorm, weibull_min
 
-from sae_env.policies.survival import ExponentialGaps, LognormalGaps, alive_posterior, hit_density, lognormal_sf
+from sae_env.policies.survival import (
+    EMPIRICAL_GRID,
+    EmpiricalGaps,
+    ExponentialGaps,
+    LognormalGaps,
+    alive_posterior,
+    hit_density,
+    lognormal_sf,
+)
 
 
 @pytest.mark.parametrize("mu,sigma", [(4.88, 0.98), (0.0, 0.3), (2.0, 2.5), (-1.0, 1.0)])
@@ -107,3 +120,72 @@ def test_density_is_quasi_concave_in_idle_time():
         falling = np.all(np.diff(d[top:]) <= tol)
         violations += not (rising and falling)
     assert violations == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The empirical gap distribution (SAECache's empirical_gaps)
+
+@pytest.mark.parametrize("mu,sigma", [(4.88, 0.98), (1.0, 0.8), (3.4, 2.0)])
+def test_empirical_gaps_without_gaps_are_the_log_normal(mu, sigma):
+    """No gap seen yet: the prior alone, the log-normal, up to the grid's linear interpolation (a factor 1.0046
+    between grid points: a horizon shorter than a cell reads the cell's mean slope, hence 1 % at most)."""
+    emp, ln = EmpiricalGaps(np.zeros(0), mu, sigma, 50.0), LognormalGaps(mu, sigma)
+    for dt in (1e-3, 0.5, 5.0, math.exp(mu), 4 * math.exp(mu)):
+        assert emp.sf(dt) == pytest.approx(ln.sf(dt), rel=1e-4, abs=1e-9)
+        for p in (0.1, 0.6, 0.99):
+            for h in (1.0, 60.0, 900.0):
+                assert emp.density(p, dt, h) == pytest.approx(ln.density(p, dt, h), rel=1e-2, abs=1e-12), (dt, p, h)
+
+
+def test_empirical_gaps_density_matches_its_definition():
+    """With gaps: the density against a numerical integral of the survival (the definition, as for the log-normal)."""
+    gaps = weibull_min.rvs(0.6, scale=20.0, size=300, random_state=1)
+    cases = [(EmpiricalGaps(gaps, 3.0, 1.2, 50.0), dt, h) for dt in (0.0, 0.3, 4.0, 30.0, 400.0)
+             for h in (2.0, 45.0, 700.0)]
+    # past the grid's end (11.6 days) the survival is flat: a prior of gaps that long reaches it
+    cases += [(EmpiricalGaps(gaps, 14.0, 1.0, 50.0), 9e5, 2e5), (EmpiricalGaps(gaps, 14.0, 1.0, 50.0), 2e6, 1e3)]
+    for emp, dt, h in cases:
+        # the survival is piecewise linear, with a kink at every grid point: a fine trapezoid rule, not quad
+        x = np.linspace(dt, dt + h, 20_001)
+        sx = np.array([emp.sf(v) for v in x])
+        alive_time = float(np.sum(0.5 * (sx[1:] + sx[:-1]) * np.diff(x))) / emp.sf(dt)
+        for p in (0.05, 0.5, 0.95):
+            pi = alive_posterior(p, emp.sf(dt))
+            want = pi * (emp.sf(dt) - emp.sf(dt + h)) / emp.sf(dt) / (pi * alive_time + (1 - pi) * h)
+            assert emp.density(p, dt, h) == pytest.approx(want, rel=1e-4, abs=1e-15), (p, dt, h)
+
+
+def test_empirical_gaps_follow_the_gaps_once_they_outnumber_the_prior():
+    """100,000 Weibull gaps (a hazard that falls from the start, which no log-normal has) against a prior of 50: the
+    survival is the Weibull's within the prior's weight and the grid's resolution."""
+    gaps = weibull_min.rvs(0.5, scale=30.0, size=100_000, random_state=2)
+    emp = EmpiricalGaps(gaps, 5.0, 1.0, 50.0)
+    for t in (0.5, 3.0, 30.0, 300.0, 3000.0):
+        assert emp.sf(t) == pytest.approx(weibull_min.sf(t, 0.5, scale=30.0), abs=0.006), t
+    # the density then falls with idle time from the start, as the gaps' hazard does
+    d = [emp.density(0.5, dt, 5.0) for dt in (0.1, 1.0, 10.0, 100.0)]
+    assert d == sorted(d, reverse=True)
+    assert emp.n == gaps.size
+
+
+@settings(max_examples=60, deadline=None)
+@given(gaps=st.lists(st.floats(1e-6, 1e7), max_size=40), mu=st.floats(-2, 10), sigma=st.floats(0.1, 4),
+       p=st.floats(0, 1), dt=st.floats(0, 1e7), h=st.floats(0, 1e6))
+def test_empirical_gaps_density_is_finite_and_non_negative(gaps, mu, sigma, p, dt, h):
+    emp = EmpiricalGaps(np.array(gaps), mu, sigma, 50.0)
+    d = emp.density(p, dt, h)
+    assert math.isfinite(d) and d >= 0.0
+    s = emp.sf(dt)
+    assert 0.0 <= s <= 1.0 + 1e-12
+    assert emp.sf(dt + 1.0) <= s + 1e-12  # a survival does not rise
+
+
+def test_empirical_gaps_bad_input():
+    for bad in ([0.0], [-1.0], [float("nan")], [float("inf")]):
+        with pytest.raises(ValueError, match="positive and finite"):
+            EmpiricalGaps(np.array(bad), 3.0, 1.0, 50.0)
+    with pytest.raises(ValueError, match="sigma"):
+        EmpiricalGaps(np.zeros(0), 3.0, 0.0, 50.0)
+    with pytest.raises(ValueError, match="prior"):
+        EmpiricalGaps(np.zeros(0), 3.0, 1.0, 0.0)
+    assert EMPIRICAL_GRID[0] == 0.0 and np.all(np.diff(EMPIRICAL_GRID) > 0)

@@ -895,6 +895,8 @@ class SAECacheTwin(Twin):
             return "saecache: exponential gaps (lognormal=False) have no compiled engine"
         if sw["density"] and sw["position_decay"]:
             return "saecache: position decay under the hit density (density=True) has no compiled engine"
+        if sw["empirical_gaps"]:
+            return "saecache: empirical gap shapes (empirical_gaps=True) have no compiled engine"
         return None
 
     def load(self, state: dict[str, Any], n: int, core: Any) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -73,7 +74,8 @@ class Arrivals:
     def __init__(self, *, multi_queue: bool = True, continuation: bool = True, density: bool = True,
                  continuation_features: bool = True, censoring: bool = True, pe_routing: bool = False,
                  continue_threshold: float = 0.5, refit_steps: int = 2, refit_growth: float = 0.5,
-                 timed_refit: bool = True, posterior_end: bool = True, predictor: Predictor | None = None) -> None:
+                 timed_refit: bool = True, posterior_end: bool = True, predictor: Predictor | None = None,
+                 keep_gaps: bool = False) -> None:
         self.multi_queue, self.continuation, self.density = bool(multi_queue), bool(continuation), bool(density)
         self.pe_routing = bool(pe_routing)
         self.continue_threshold = continue_threshold
@@ -93,6 +95,9 @@ class Arrivals:
         self._prefix_uses = 0
         self._prefix_reused = 0
         self.p_structural = 0.5
+        # keep_gaps: every session gap of the chat and agent queues so far, in arrival order (SAECache's
+        # empirical_gaps); None when off
+        self.raw_gaps: dict[int, array] | None = {CH: array("d"), AG: array("d")} if keep_gaps else None
         self.reset_window()
 
     def bind(self, trace: Trace) -> None:
@@ -121,6 +126,8 @@ class Arrivals:
         a.arrivals, a._sessions, a._prefix_last = 0, {}, np.full(self._prefix_keys.size, np.nan)
         a._prefix_uses = a._prefix_reused = 0
         a.p_structural = 0.5
+        if a.raw_gaps is not None:
+            a.raw_gaps = {CH: array("d"), AG: array("d")}
         a.reset_window()
         return a
 
@@ -181,6 +188,8 @@ class Arrivals:
                 gap = now - last[0]
                 if gap > 0:
                     self._add_gap(q, gap)
+                    if self.raw_gaps is not None:
+                        self.raw_gaps[q].append(gap)
             self._sessions[s] = (now, q)
         structural = False
         if self.density:
@@ -234,6 +243,9 @@ class Arrivals:
                "session_last": np.array([t for t, _ in sessions.values()], dtype=np.float64),
                "session_queue": np.array([q for _, q in sessions.values()], dtype=np.int64),
                "prefix_keys": self._prefix_keys[used], "prefix_last": prefixes[used]}
+        if self.raw_gaps is not None:
+            out["raw_gaps_chat"] = np.array(self.raw_gaps[CH], dtype=np.float64)
+            out["raw_gaps_agent"] = np.array(self.raw_gaps[AG], dtype=np.float64)
         if self.model is not None:
             out.update({f"model_{k}": v for k, v in self.model.export_state().items()})
         return out
@@ -253,6 +265,9 @@ class Arrivals:
             self._prefix_keys, self._prefix_last = keys, last
         else:
             self._prefix_last = _last_uses(self._prefix_keys, keys, last)
+        if self.raw_gaps is not None:  # a state saved without them (another policy's, or before any gap): none
+            self.raw_gaps = {q: array("d", np.asarray(state.get(name, ()), dtype=np.float64).tolist())
+                             for q, name in ((CH, "raw_gaps_chat"), (AG, "raw_gaps_agent"))}
         if self.model is not None:
             self.model.import_state({k[6:]: v for k, v in state.items() if k.startswith("model_")})
 

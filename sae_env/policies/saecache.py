@@ -67,6 +67,9 @@ tokens, defaults to the paper's model's, Qwen2.5-1.5B's 15,234: give another mod
 ``rebin`` (on: at every refit, every ``REFIT_EVERY`` arrivals, each evictable chat or agent block moves to the
 continuation bin of the request that released it as the continuation model sees that request *now*, a parked one when
 it returns; off: a block keeps the bin the model gave its request at the request's arrival, when the model knew less),
+``empirical_gaps`` (on: the chat and agent queues' hit density reads a gap distribution of the shape of the session
+gaps completed so far, with the learners' log-normal as a prior of ``EMPIRICAL_PRIOR`` pseudo-gaps, rebuilt at every
+refit: survival.EmpiricalGaps; the continuation model keeps the log-normal; the Python engine only),
 ``type_weights`` (off: w = 1), ``adaptive_alpha`` (off:
 alpha = 1), ``lognormal`` (off: exponential gaps), ``position_decay`` (off: no offset term), ``multi_queue`` (off: one
 temporal queue, no PE priority), ``predictor`` (the paper's ranking: off routes first requests by rule only; under the
@@ -113,7 +116,7 @@ from sae_env.policies.arrivals import (
     slot_p,
 )
 from sae_env.policies.base import EvictionPolicy, ParamSpec, block_array
-from sae_env.policies.survival import ExponentialGaps, LognormalGaps
+from sae_env.policies.survival import EmpiricalGaps, ExponentialGaps, LognormalGaps
 from sae_env.serving.hardware import GPUS, MODELS
 from sae_env.serving.roofline import RooflineCost
 from sae_env.trace import N_TOKEN_TYPES, TokenType, Trace
@@ -132,6 +135,10 @@ _COMPACT_MIN = 1 << 18  # released blocks before the first compaction of the rec
 # less than the online gap and continuation estimates it rests on can tell apart. A first-principles resolution, not a
 # fit to a trace (README, "Decision time": what it changes in hits and in time).
 CLOCK_STEP = 1.0 / 128
+# empirical_gaps: the log-normal prior's weight, in gaps. The online learners shrink their log-normal fit towards
+# the current constants by as many pseudo-gaps (agents.sae_online.OnlineConfig.gap_prior), so the shape starts as
+# the log-normal's and moves to the gaps' own as they outnumber it.
+EMPIRICAL_PRIOR = 50.0
 _CONSTANT, _LOGNORMAL, _EXPONENTIAL, _POSITION, _DENSITY = range(5)  # kinds of ranking term (see _constants)
 GROUP_SLOT = _SLOT = 64  # group id = queue_type_code(queue, type) + _SLOT * slot: the code fits below _SLOT
 # Under ``hit_value`` a chat or agent group also carries its blocks' value bin: group id + VALUE_STRIDE * bin.
@@ -215,7 +222,7 @@ class SAECachePolicy(EvictionPolicy):
                  continuation: bool = True, density: bool = True, continuation_features: bool = True,
                  censoring: bool = True, timed_refit: bool = True, posterior_end: bool = True,
                  pe_routing: bool = False, hit_value: bool = False, rebin: bool = False,
-                 continue_threshold: float = 0.5, sample: int = 8,
+                 empirical_gaps: bool = False, continue_threshold: float = 0.5, sample: int = 8,
                  min_dt: float = 1e-3, refit_steps: int = 2, refit_growth: float = 0.5,
                  value_context: float | None = None, clock_step: float = CLOCK_STEP, rebin_every: int = 1,
                  params: dict[str, float] | None = None) -> None:
@@ -232,7 +239,7 @@ class SAECachePolicy(EvictionPolicy):
                  "position_decay": position_decay, "multi_queue": multi_queue, "continuation": continuation,
                  "density": density, "continuation_features": continuation_features, "censoring": censoring,
                  "timed_refit": timed_refit, "posterior_end": posterior_end, "pe_routing": pe_routing,
-                 "hit_value": hit_value, "rebin": rebin}
+                 "hit_value": hit_value, "rebin": rebin, "empirical_gaps": empirical_gaps}
         for name, value in flags.items():  # bool("false") is True: a typo must not flip a switch on silently
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"saecache: {name} must be true or false, got {value!r}")
@@ -247,6 +254,10 @@ class SAECachePolicy(EvictionPolicy):
         if self._rebin and not (self._continuation and self._density):
             raise ValueError("saecache: rebin moves blocks between continuation bins, which exist only with the "
                              "continuation model and the hit density (continuation=True, density=True)")
+        self._empirical = self.switches["empirical_gaps"]
+        if self._empirical and not (self._density and self.switches["lognormal"]):
+            raise ValueError("saecache: empirical_gaps shapes the hit density's gap distribution, with the log-normal "
+                             "as its prior: it needs density=True and lognormal=True")
         # rebin: the request that last released each cached chat or agent block, and each such request's bin as the
         # continuation model saw it at the last rebinning (see _rebin_blocks)
         self._released_by: dict[Block, int] = {}
@@ -277,7 +288,8 @@ class SAECachePolicy(EvictionPolicy):
                                  continuation_features=continuation_features, censoring=censoring,
                                  pe_routing=pe_routing, continue_threshold=continue_threshold,
                                  refit_steps=refit_steps, refit_growth=refit_growth, timed_refit=timed_refit,
-                                 posterior_end=posterior_end, predictor=self.predictor)
+                                 posterior_end=posterior_end, predictor=self.predictor,
+                                 keep_gaps=self._empirical)
         self._lists: dict[int, _RecencyList] = {}  # group (queue-type code + _SLOT * slot) -> recency list
         self._returned: dict[int, list[tuple[int, int, Block]]] = {}  # group -> heap of (stamp, key, block)
         self._returned_new: dict[int, list[tuple[int, int, Block]]] = {}  # same blocks, newest first (-stamp)
@@ -331,7 +343,9 @@ class SAECachePolicy(EvictionPolicy):
         self._ln = _lognormal_params(p)
         self._exp_mean = {q: math.exp(mu + s * s / 2) for q, (mu, s) in self._ln.items()}
         self._gaps = gap_models(p, sw["lognormal"])
-        self.arrivals.gaps = (self._gaps[CH], self._gaps[AG])
+        self.arrivals.gaps = (self._gaps[CH], self._gaps[AG])  # the continuation model's, log-normal in any case
+        if self._empirical:
+            self._empirical_gaps()
         self._gamma = p["gamma"]
         # per group: (PE flag, ranking kind, its two constants, alpha * w), see _constants
         self._consts: dict[int, tuple[int, int, Any, Any, float]] = {}
@@ -851,7 +865,18 @@ class SAECachePolicy(EvictionPolicy):
             self._horizon = self.cache.capacity / self._ins_rate
         if self._rebin and self.arrivals.arrivals // REFIT_EVERY % self.rebin_every == 0:
             self._rebin_blocks()
+        if self._empirical:
+            self._empirical_gaps()
         self._changed()
+
+    def _empirical_gaps(self) -> None:
+        """``empirical_gaps``: the chat and agent queues' gap distributions from the gaps completed so far, with the
+        learners' current log-normal as the prior."""
+        raw = self.arrivals.raw_gaps
+        for q in (CH, AG):
+            mu, sigma = self._ln[q]
+            self._gaps[q] = EmpiricalGaps(np.frombuffer(raw[q], dtype=np.float64) if len(raw[q]) else np.zeros(0),
+                                          mu, sigma, EMPIRICAL_PRIOR)
 
     def _rebin_blocks(self) -> None:
         """``rebin``: every evictable chat or agent block moves to the continuation bin of its releasing request as the

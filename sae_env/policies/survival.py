@@ -24,12 +24,14 @@ the rate at which blocks enter the cache).
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import numpy as np
 from scipy.special import erfc
 
-__all__ = ["ExponentialGaps", "LognormalGaps", "alive_posterior", "hit_density", "lognormal_sf"]
+__all__ = ["EMPIRICAL_GRID", "EmpiricalGaps", "ExponentialGaps", "LognormalGaps", "alive_posterior", "hit_density",
+           "lognormal_sf"]
 
 _SQRT2 = math.sqrt(2.0)
 _TINY = 1e-300
@@ -157,3 +159,73 @@ class ExponentialGaps(LognormalGaps):
 
     def density(self, p: float, dt: float, horizon: float) -> float:
         return self._density(p, dt, horizon)
+
+
+# The idle times (s) an EmpiricalGaps keeps its survival at: 0, then 4,000 points a factor 1.0046 apart from 10 ms to
+# 11.6 days (one per 0.46 % of idle time: interpolating between them moves a score by less than the estimates resolve).
+EMPIRICAL_GRID = np.concatenate([[0.0], np.geomspace(0.01, 1e6, 4000)])
+
+
+class EmpiricalGaps:
+    """A gap distribution of the shape the gaps completed so far have, with a log-normal prior (the
+    ``empirical_gaps`` switch of SAECache): ``F = (n F_n + n0 F_LN) / (n + n0)``, ``F_n`` the empirical distribution
+    of the ``n`` gaps, ``F_LN`` the log-normal ``LN(mu, sigma)`` weighed as ``n0`` pseudo-gaps (the online learners
+    fit ``(mu, sigma)`` with the same prior size). The log-normal's hazard rises from 0 before it falls; recorded gaps
+    need not (on mooncake_synthetic the hazard of a block's reuse falls from the first second), and at a small cache,
+    whose turnover is seconds, the short end decides which blocks go.
+
+    Kept as its survival and the survival's integral at :data:`EMPIRICAL_GRID`, linear in between; beyond the grid,
+    flat. :meth:`density` has the formula of :meth:`LognormalGaps.density` (module docstring) with these. Unlike the
+    log-normal's, this density need not rise then fall with idle time: a scan that scores a group's oldest and newest
+    blocks (SAECache's) finds the least of those two, not always the least of the group."""
+
+    __slots__ = ("mu", "sigma", "n", "_s", "_cum", "_grid")
+
+    def __init__(self, gaps: np.ndarray, mu: float, sigma: float, prior: float):
+        if not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
+            raise ValueError(f"empirical gaps need a finite mu and sigma > 0 for their prior, got ({mu}, {sigma})")
+        if not (prior > 0 and math.isfinite(prior)):
+            raise ValueError(f"empirical gaps need a positive prior weight, got {prior}")
+        g = np.sort(np.asarray(gaps, dtype=np.float64))
+        if g.size and not (g[0] > 0 and math.isfinite(g[-1])):
+            raise ValueError("empirical gaps must be positive and finite")
+        self.mu, self.sigma, self.n = float(mu), float(sigma), int(g.size)
+        grid = EMPIRICAL_GRID
+        f_emp = np.searchsorted(g, grid, side="right") / max(g.size, 1)
+        s_ln = np.ones(grid.size)
+        s_ln[1:] = 0.5 * erfc((np.log(grid[1:]) - mu) / (sigma * _SQRT2))
+        s = 1.0 - (g.size * f_emp + prior * (1.0 - s_ln)) / (g.size + prior)
+        cum = np.zeros(grid.size)
+        cum[1:] = np.cumsum(0.5 * (s[1:] + s[:-1]) * np.diff(grid))
+        # Python lists: density reads a few entries per call, where numpy scalars would cost more than the arithmetic
+        self._grid, self._s, self._cum = grid.tolist(), s.tolist(), cum.tolist()
+
+    def _at(self, t: float) -> tuple[float, float]:
+        """(survival, its integral from 0) at idle time ``t``."""
+        grid = self._grid
+        k = bisect.bisect_right(grid, t) - 1
+        if k >= len(grid) - 1:
+            last = self._s[-1]
+            return last, self._cum[-1] + last * (t - grid[-1])
+        t0, t1 = grid[k], grid[k + 1]
+        s0, s1 = self._s[k], self._s[k + 1]
+        x = t - t0
+        s = s0 + (s1 - s0) * x / (t1 - t0)
+        return s, self._cum[k] + 0.5 * (s0 + s) * x
+
+    def sf(self, dt: float) -> float:
+        return self._at(dt)[0] if dt > 0.0 else 1.0
+
+    def density(self, p: float, dt: float, horizon: float) -> float:
+        """Hit density of a block idle ``dt`` of a session continuing with probability ``p`` (module docstring)."""
+        if horizon <= 0.0:
+            return 0.0
+        s_now, c_now = self._at(dt) if dt > 0.0 else (1.0, 0.0)
+        if s_now < _TINY:
+            return 0.0
+        alive = p * s_now
+        pi = alive / (1.0 - p + alive) if alive > 0.0 else 0.0
+        s_end, c_end = self._at(dt + horizon)
+        hit = pi * (s_now - s_end) / s_now
+        held = pi * max((c_end - c_now) / s_now, 0.0) + (1.0 - pi) * horizon
+        return hit / held if held > 0.0 else 0.0
