@@ -975,12 +975,19 @@ def _imported(cls, state, bound):
 # ----------------------------------------------------------------------------------------------------------------
 # 7. rebin: blocks follow their request's current continuation bin
 
-def test_rebin_needs_the_continuation_model_and_the_density():
-    for off in ({"continuation": False}, {"density": False}):
-        with pytest.raises(ValueError, match="rebin"):
-            SAECachePolicy(rebin=True, **off)
-    with pytest.raises(ValueError, match="rebin must be true or false"):
-        make_policy("saecache", rebin="yes")
+@pytest.mark.parametrize("switch,needs", [("rebin", ("continuation", "density")),
+                                          ("empirical_gaps", ("density", "lognormal"))])
+def test_a_switch_needs_what_it_builds_on(switch, needs):
+    """rebin moves blocks between continuation bins (the model's, under the density); empirical_gaps reshapes the
+    density's gap distribution, with the log-normal as its prior."""
+    for off in needs:
+        with pytest.raises(ValueError, match=switch):
+            SAECachePolicy(**{switch: True, off: False})
+    with pytest.raises(ValueError, match=f"{switch} must be true or false"):
+        make_policy("saecache", **{switch: "yes"})
+
+
+def test_rebin_every_is_a_whole_number_of_refits():
     for bad in (0, -1, True, 1.5, "2"):
         with pytest.raises(ValueError, match="rebin_every"):
             make_policy("saecache", rebin=True, rebin_every=bad)
@@ -1080,14 +1087,6 @@ def test_rebin_state_round_trips():
 
 # ----------------------------------------------------------------------------------------------------------------
 # 8. empirical_gaps: the chat and agent queues' gap shape from the gaps completed so far
-
-def test_empirical_gaps_needs_the_density_and_its_log_normal_prior():
-    for off in ({"density": False}, {"lognormal": False}):
-        with pytest.raises(ValueError, match="empirical_gaps"):
-            SAECachePolicy(empirical_gaps=True, **off)
-    with pytest.raises(ValueError, match="empirical_gaps must be true or false"):
-        make_policy("saecache", empirical_gaps="yes")
-
 
 def test_empirical_gaps_run_on_the_python_engine():
     trace = load_source("conversations", None)[0]
