@@ -283,6 +283,7 @@ def _given_options(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from sae_env.cache import PrefixCache
+    from sae_env.fast_engine import AVAILABLE as COMPILED
     from sae_env.metrics import summarize
     from sae_env.replay import Replay
     from sae_env.serving import make_server
@@ -319,6 +320,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
             summary["decision_us_per_request"] = 1e6 * rep.wall_s / max(len(trace), 1)  # wall clock, not a metric
             summary["method"] = "replay"
             summary["policy_options"] = _given_options(args, name)
+            summary["engine"] = rep.engine  # decision_us_per_request is this engine's
+            if rep.fast_reason is not None:
+                summary["engine_note"] = rep.fast_reason
             results.append(summary)
     sweep = len(capacities) > 1
     size = (f"{len(capacities)} capacities from {capacities[0]} to {capacities[-1]} blocks "
@@ -335,6 +339,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         taken = _given_options(args, name)
         if taken:
             print(f"{name} ran with " + ", ".join(f"{k}={v}" for k, v in taken.items()))
+    if COMPILED:  # the compiled engine ran the others: say which policy it declined, and why (a slower decision_us)
+        declined = {r["policy"]: r["engine_note"] for r in results
+                    if r.get("engine") == "python" and "engine_note" in r}
+        for name, why in declined.items():
+            print(f"{name} ran on the Python engine: {why}")
     if args.json:
         write_json(args.json, results[0] if len(results) == 1 else results)
         print(f"wrote {args.json}", file=sys.stderr)

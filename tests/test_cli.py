@@ -49,6 +49,25 @@ def test_replay_with_a_serving_model_reports_ttft(tmp_path):
     assert r["adaptive"] is True and r["requests"] == 1000
 
 
+def test_replay_says_which_engine_timed_each_policy(tmp_path, capsys):
+    """decision_us_per_request is the time of the engine that ran the replay: the JSON names it, and a policy the
+    compiled engine declines (while it runs the others) is named on a line of its own, with the reason."""
+    from sae_env.fast_engine import AVAILABLE
+
+    out = tmp_path / "r.json"
+    assert main(["replay", "--trace", "bailian", "--policy", "lru,saecache", "--capacity", "0.5",
+                 "--policy-opt", "empirical_gaps=true", "--json", str(out)]) == 0
+    said = capsys.readouterr().out
+    lru, sae = json.loads(out.read_text())
+    assert sae["engine"] == "python" and "empirical_gaps" in sae["engine_note"]
+    if AVAILABLE:
+        assert lru["engine"] == "fast" and "engine_note" not in lru
+        assert "saecache ran on the Python engine: saecache: empirical gap shapes" in said
+        assert "lru ran on the Python engine" not in said
+    else:
+        assert lru["engine"] == "python" and "ran on the Python engine" not in said
+
+
 def test_replay_policy_options_go_to_the_policies_that_take_them(tmp_path, capsys):
     """--policy-opt reaches the constructor of the listed policies that take it (the same hit rate as
     make_policy(..., continuation=False) replayed as replay runs it) and no other; the summary records it."""
