@@ -56,13 +56,13 @@ def test_replay_says_which_engine_timed_each_policy(tmp_path, capsys):
 
     out = tmp_path / "r.json"
     assert main(["replay", "--trace", "bailian", "--policy", "lru,saecache", "--capacity", "0.5",
-                 "--policy-opt", "empirical_gaps=true", "--json", str(out)]) == 0
+                 "--policy-opt", "lognormal=false", "--json", str(out)]) == 0
     said = capsys.readouterr().out
     lru, sae = json.loads(out.read_text())
-    assert sae["engine"] == "python" and "empirical_gaps" in sae["engine_note"]
+    assert sae["engine"] == "python" and "lognormal=False" in sae["engine_note"]
     if AVAILABLE:
         assert lru["engine"] == "fast" and "engine_note" not in lru
-        assert "saecache ran on the Python engine: saecache: empirical gap shapes" in said
+        assert "saecache ran on the Python engine: saecache: exponential gaps" in said
         assert "lru ran on the Python engine" not in said
     else:
         assert lru["engine"] == "python" and "ran on the Python engine" not in said

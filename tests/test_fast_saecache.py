@@ -42,7 +42,9 @@ FREE = ("type_weights", "adaptive_alpha", "multi_queue", "continuation", "contin
 # The ranking clock's step (clock_step): the default's, none (the exact clock) and a coarse one, where many arrivals
 # share a step.
 CLOCK_STEPS = st.sampled_from([saecache.CLOCK_STEP, 0.0, 0.125])
-switches = st.fixed_dictionaries({}, optional={**{k: st.booleans() for k in FREE}, "clock_step": CLOCK_STEPS})
+# empirical_gaps (the density's gap tables) is not the paper's ranking's: drawn here only.
+switches = st.fixed_dictionaries({}, optional={**{k: st.booleans() for k in (*FREE, "empirical_gaps")},
+                                               "clock_step": CLOCK_STEPS})
 # The paper's ranking (saecache-paper: density off, sampled structural groups, position decay on) and its switches.
 paper_switches = st.fixed_dictionaries({}, optional={**{k: st.booleans() for k in (*FREE, "position_decay")},
                                                      "sample": st.sampled_from([1, 2, 8]), "clock_step": CLOCK_STEPS})
@@ -283,6 +285,36 @@ def test_session_traces_agree_with_rebin(trace, capacity, window, ghosts, output
     assert_same_windows(py, fast)
 
 
+# empirical_gaps (SAECachePolicy._empirical_gaps): at every refit the twin builds the gap tables from the gaps the
+# arrivals completed so far, a row each, and the kernel's scores read the row of the last refit.
+EMPIRICAL = {"empirical_gaps": True}
+
+
+@settings(max_examples=40, deadline=None, report_multiple_bugs=False)
+@given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 7),
+       ghosts=st.sampled_from([None, 0, 2]), outputs=st.booleans(), timed=st.booleans(), options=switches,
+       rebin=st.booleans())
+def test_session_traces_agree_with_empirical_gaps(trace, capacity, window, ghosts, outputs, timed, options, rebin):
+    """A refit every 3 arrivals, so that these short traces rebuild the tables many times, instant and timed, with
+    rebin or without (the twin's arrivals then run in pieces that end at every refit)."""
+    with refit_every_3():
+        py, fast = both(trace, capacity, {"preset": SERVER, "token_budget": 16} if timed else None,
+                        options={**options, **EMPIRICAL, **(REBIN if rebin else {})}, window_requests=window,
+                        ghost_capacity=ghosts, cache_outputs=outputs)
+    assert_same_windows(py, fast)
+
+
+@pytest.mark.parametrize("trace_name", ["mooncake_synthetic", "wildchat", "taubench"])
+def test_embedded_real_traces_agree_with_empirical_gaps(trace_name):
+    """Real gaps (recorded on Mooncake, drawn on the others) and the refits as shipped: the same hits and victims."""
+    trace = real(trace_name, 1500)
+    for fraction in (0.02, 0.1):
+        py, fast = both(trace, max(1, int(fraction * trace.distinct_blocks())), options=EMPIRICAL,
+                        window_requests=200)
+        assert_same_windows(py, fast)
+    assert len(py.policy.arrivals.raw_gaps[saecache.CH]) + len(py.policy.arrivals.raw_gaps[saecache.AG]) > 100
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), features=st.booleans(), scale=st.sampled_from([0.01, 1.0, 30.0]),
        edge=st.booleans())
@@ -382,13 +414,15 @@ def test_timed_hand_over_both_ways_after_any_window(trace, capacity, window, sto
     hand_over(ref, moved, stops, contract_state, timed=True)
 
 
+@pytest.mark.parametrize("extra", [REBIN, EMPIRICAL], ids=["rebin", "empirical_gaps"])
 @settings(max_examples=30, deadline=None, report_multiple_bugs=False)
 @given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 6),
        stops=st.lists(st.integers(0, 8), min_size=1, max_size=3), options=switches)
-def test_hand_over_both_ways_with_rebin(trace, capacity, window, stops, options):
-    """Each block's releasing request and the bins of the last rebinning move both ways."""
+def test_hand_over_both_ways_with_refit_state(extra, trace, capacity, window, stops, options):
+    """What a refit leaves moves both ways: under rebin each block's releasing request and the bins of the last
+    rebinning; under empirical_gaps the gaps each queue's table rests on (empirical_used)."""
     with refit_every_3():
-        hand_over_policy("saecache", trace, capacity, window, stops, {**options, **REBIN})
+        hand_over_policy("saecache", trace, capacity, window, stops, {**options, **extra})
 
 
 def test_hand_over_on_a_real_trace():

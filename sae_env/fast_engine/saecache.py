@@ -20,6 +20,13 @@ and feature row (copied at load), and moves the blocks (_rebin_blocks: the evict
 found from their groups' ranges of the treap, not among all slots). Each block keeps its releasing request
 (``relby``); the bins of the last rebinning are the requests whose ``bmark`` is the current one.
 
+Under ``empirical_gaps`` each refit rebuilds the chat and agent queues' gap distributions from the gaps completed so
+far (survival.EmpiricalGaps). The twin runs the arrivals ahead in pieces that end at each refit (as for rebin),
+collects the gaps the compiled arrivals count but do not keep (_record_gaps), and builds each refit's tables in
+numpy, a row of ``emp`` each; the kernel moves to the next row at each refit and scores chat and agent blocks by the
+same bisection and interpolation as EmpiricalGaps.density, bit for bit, with no lower bound (such a density need not
+rise, then fall).
+
 Victims. The Python policy keeps, per group (queue, type when typed, continuation bin, value bin under hit_value),
 its released leaves in a recency list and the blocks that became leaves later in returned-heaps, and scores three
 candidates per group: the list's head, the heaps' oldest top, and the group's newest block (its score rises, then
@@ -73,15 +80,18 @@ from sae_env.fast_engine.twin import Twin, register
 from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, REFIT_EVERY, ST, slot_p
 from sae_env.policies.continuation import P_CLIP
 from sae_env.policies.saecache import (
+    EMPIRICAL_PRIOR,
     GROUP_SLOT,
     VALUE_STRIDE,
     SAECachePaperPolicy,
     SAECachePolicy,
+    empirical_inputs,
     gap_models,
     value_bins,
     value_weight,
     window_stats,
 )
+from sae_env.policies.survival import EMPIRICAL_GRID, EmpiricalGaps
 from sae_env.trace import TokenType
 
 # Groups of one value bin (hit_value: group id + N_GROUPS * bin, as the policy's VALUE_STRIDE; off: bin 0 only).
@@ -104,10 +114,12 @@ BOUND_MARGIN = 1.0 - 1e-6
 # whether a chat or agent block's group carries its value bin (hit_value); rebin: whether it is on, the request the
 # last completion served (whose blocks the next release frees: SAECachePolicy._completing), and the rebinnings so far
 # plus one (a request's bin is current when its bmark is this), the model's row the next rebinning reads (rbr, rbb:
-# counted from 0 in each window, as Twin.prepare writes them), whether the model has features (continuation.features).
+# counted from 0 in each window, as Twin.prepare writes them), whether the model has features (continuation.features);
+# empirical_gaps: whether it is on, and the row of tables (emp) the scores read now (0 at a window's start, one more at
+# each refit).
 SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
     MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED, REBIN, COMPLETING, \
-    RB_MARK, RB_NEXT, RB_FEAT = range(29)
+    RB_MARK, RB_NEXT, RB_FEAT, EMP, EMP_ROW = range(31)
 NOT_RELEASED = -2  # rebin: a slot's releasing request when none (-1: released before any completion)
 # Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
 # structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity,
@@ -169,6 +181,9 @@ class SAEState(NamedTuple):
     rz: np.ndarray  # float64 [request, feature] (ContinuationModel.feature_rows; one entry without features)
     rbr: np.ndarray  # float64 [rebinning, turn bucket]: ContinuationModel.rates
     rbb: np.ndarray  # float64 [rebinning, feature]: ContinuationModel.beta
+    # empirical_gaps ([1, 1] when off): the grid (EMPIRICAL_GRID), then for each row of the window (its start, then each
+    # refit) the chat queue's survival and its integral, then the agent queue's (EmpiricalGaps.table)
+    emp: np.ndarray  # float64 [1 + 4 * row, grid point]
 
 
 # -- the groups' sets ------------------------------------------------------------------------------------------------
@@ -365,6 +380,46 @@ def _bound(mu, s2, mean, p, horizon, s_now, s_end, alive, dt_b):
 
 
 @inline
+def _emp_at(emp, r, t):
+    """EmpiricalGaps._at over table ``r`` of ``emp`` (its survival row; the integral's is the next): the same
+    bisection and operations, the same floats."""
+    grid = emp[0]
+    n = grid.size
+    lo, hi = 0, n
+    while lo < hi:  # bisect.bisect_right
+        mid = (lo + hi) >> 1
+        if t < grid[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    k = lo - 1
+    if k >= n - 1:
+        last = emp[r, n - 1]
+        return last, emp[r + 1, n - 1] + last * (t - grid[n - 1])
+    t0, t1 = grid[k], grid[k + 1]
+    s0, s1 = emp[r, k], emp[r, k + 1]
+    x = t - t0
+    sx = s0 + (s1 - s0) * x / (t1 - t0)
+    return sx, emp[r + 1, k] + 0.5 * (s0 + sx) * x
+
+
+@inline
+def _emp_density(emp, r, p, dt, horizon):
+    """EmpiricalGaps.density over table ``r`` of ``emp`` (dt > 0 here)."""
+    if horizon <= 0.0:
+        return 0.0
+    s_now, c_now = _emp_at(emp, r, dt)
+    if s_now < _TINY:
+        return 0.0
+    alive = p * s_now
+    pi = alive / (1.0 - p + alive) if alive > 0.0 else 0.0
+    s_end, c_end = _emp_at(emp, r, dt + horizon)
+    hit = pi * (s_now - s_end) / s_now
+    held = pi * max((c_end - c_now) / s_now, 0.0) + (1.0 - pi) * horizon
+    return hit / held if held > 0.0 else 0.0
+
+
+@inline
 def _score(ps, recf, g, s, now, until):
     """SAECachePolicy._least's score of slot ``s`` of group ``g`` at ``now``, and a lower bound on it until the
     instant ``until`` (-inf: none)."""
@@ -392,6 +447,8 @@ def _score(ps, recf, g, s, now, until):
         dt_b = min_dt
     p = ps.sf[PST] if q == ST else ps.slotp[g % N_GROUPS // GROUP_SLOT]
     horizon = ps.sf[HORIZON] if ps.si[HAS_HOR] else ps.sf[EXP_MEAN_CH]
+    if ps.si[EMP] and (q == CH or q == AG):  # no lower bound: an empirical density need not rise, then fall
+        return ps.coef[code] * _emp_density(ps.emp, 1 + 4 * ps.si[EMP_ROW] + 2 * (q - CH), p, dt, horizon), 0.0
     gp = ps.gaps
     f, lb = density_and_bound(gp[q, 0], gp[q, 1], gp[q, 2], gp[q, 3], p, dt, horizon, dt_b)
     return ps.coef[code] * f, ps.coef[code] * lb
@@ -708,6 +765,8 @@ def _request(ps, c, j, now):
             k = si[RB_NEXT]
             si[RB_NEXT] = k + 1
             _rebin_blocks(ps, c.rec, c.sc[N], k)
+        if si[EMP]:  # SAECachePolicy._empirical_gaps: the next row of tables, built by Twin.prepare
+            si[EMP_ROW] += 1
         _changed(ps)
     q = ps.req[R_Q, j]
     ps.req[R_LIVE, j] = 1
@@ -895,8 +954,6 @@ class SAECacheTwin(Twin):
             return "saecache: exponential gaps (lognormal=False) have no compiled engine"
         if sw["density"] and sw["position_decay"]:
             return "saecache: position decay under the hit density (density=True) has no compiled engine"
-        if sw["empirical_gaps"]:
-            return "saecache: empirical gap shapes (empirical_gaps=True) have no compiled engine"
         return None
 
     def load(self, state: dict[str, Any], n: int, core: Any) -> None:
@@ -914,8 +971,8 @@ class SAECacheTwin(Twin):
         win_t0, has_t0 = _opt(state["window_t0"])
         cand_now, cand_ok = _opt(state["cand_now"])
         sampled = not sw["density"] or sw["position_decay"]  # as SAECachePolicy._st_sampled
-        si = np.zeros(29, dtype=np.int64)
-        si[LAST_G], si[REBIN], si[COMPLETING] = -1, sw["rebin"], -1
+        si = np.zeros(31, dtype=np.int64)
+        si[LAST_G], si[REBIN], si[COMPLETING], si[EMP] = -1, sw["rebin"], -1, sw["empirical_gaps"]
         si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
             TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, VALUED]] = [
             state["released"], state["next_up"], state["next_stamp"], state["deferred"], state["stale"], cand_ok,
@@ -951,7 +1008,7 @@ class SAECacheTwin(Twin):
             hstamp=np.zeros((N_ST, 2 * policy.sample), dtype=np.int64), si=si, sf=sf,
             relby=np.full(core.rec.shape[0] if sw["rebin"] else 1, NOT_RELEASED, dtype=np.int32),
             bslot=np.zeros(m if sw["rebin"] else 1, dtype=np.int8),
-            bmark=np.zeros(m if sw["rebin"] else 1, dtype=np.int64), **self._model_rows(m))
+            bmark=np.zeros(m if sw["rebin"] else 1, dtype=np.int64), emp=np.zeros((1, 1)), **self._model_rows(m))
         si[RB_MARK] = 1
         si[RB_FEAT] = sw["rebin"] and arrivals.model.features
         if sw["rebin"]:  # as SAECachePolicy.import_state: releasing requests before any completion are forgotten
@@ -963,6 +1020,11 @@ class SAECacheTwin(Twin):
             self.state.offset[:n] = state["offset"]
         self.compiled = compiled(arrivals)  # the per-arrival state, as arrays (None: Python arrivals)
         self._constants()
+        # empirical_gaps: each queue's last distribution, rebuilt only when a gap or its prior moved (the same floats)
+        self._emp_built: dict[int, EmpiricalGaps] = {}
+        if sw["empirical_gaps"]:  # the tables the policy ranked with when it exported its state
+            used = state.get("empirical_used")
+            self._emp_now = self._emp_tables(None if used is None else (int(used[0]), int(used[1])))
         rec = core.rec
         queue, types = rec[:n, QUEUE], rec[:n, BTYPE]
         code = queue * _TYPES + (types if sw["type_weights"] else 0)
@@ -1010,31 +1072,78 @@ class SAECacheTwin(Twin):
                 "rbr": np.zeros((rows, model.rates.size)), "rbb": np.zeros((rows, model.beta.size))}
 
     def prepare(self, a: int, b: int) -> None:
-        """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring). Under rebin, in pieces
-        that end at each rebinning refit, where the model's rates and beta are kept for the kernel (rbr, rbb) and the
-        request is flagged REBIN_AT."""
-        if not self.policy.switches["rebin"]:
+        """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring). Under rebin or
+        empirical_gaps, in pieces that end at each refit they act on: at a rebinning refit the model's rates and beta
+        are kept for the kernel (rbr, rbb) and the request is flagged REBIN_AT; under empirical_gaps every refit
+        rebuilds the gap tables from the gaps completed so far, a row of emp each (row 0: those of the window's
+        start)."""
+        sw = self.policy.switches
+        rebin, empirical = sw["rebin"], sw["empirical_gaps"]
+        if not (rebin or empirical):
             self._arrive(a, b)
             return
         ps = self.state
         done = self.compiled.state.ai[ARRIVALS] if self.compiled is not None else self.arrivals.arrivals
-        every = REFIT_EVERY * self.policy.rebin_every
+        every = REFIT_EVERY * (1 if empirical else self.policy.rebin_every)
         ps.si[RB_NEXT] = 0
-        x = a
-        for k, y in enumerate(range(a + (-(done + 1)) % every, b, every)):  # request i is arrival done + 1 + i - a
-            self._arrive(x, y + 1)
+        rows = [self._emp_now[0]] if empirical else []
+        x, k = a, 0
+        for y in range(a + (-(done + 1)) % every, b, every):  # request i is arrival done + 1 + i - a
+            self._arrive(x, y + 1, empirical)
             if not ps.req[R_FLAGS, y] & REFIT:
-                raise RuntimeError(f"saecache twin: a rebinning at request {y}, which does not refit")
-            ps.req[R_FLAGS, y] |= REBIN_AT
-            ps.rbr[k] = self.compiled.rates if self.compiled is not None else self.arrivals.model.rates
-            ps.rbb[k] = self.arrivals.model.beta
+                raise RuntimeError(f"saecache twin: request {y} does not refit")
+            if rebin and (done + 1 + y - a) // REFIT_EVERY % self.policy.rebin_every == 0:
+                ps.req[R_FLAGS, y] |= REBIN_AT
+                ps.rbr[k] = self.compiled.rates if self.compiled is not None else self.arrivals.model.rates
+                ps.rbb[k] = self.arrivals.model.beta
+                k += 1
+            if empirical:
+                self._emp_now = self._emp_tables()
+                rows.append(self._emp_now[0])
             x = y + 1
-        self._arrive(x, b)
+        self._arrive(x, b, empirical)
+        if empirical:
+            self._emp_rows(rows)
 
-    def _arrive(self, a: int, b: int) -> None:
+    def _emp_tables(self, used: tuple[int, int] | None = None) -> tuple[list[np.ndarray], tuple[int, int]]:
+        """SAECachePolicy._empirical_gaps: the chat and agent tables (survival, integral; EmpiricalGaps.table) from the
+        gaps the arrivals completed so far (each queue's first ``used``), and how many each rests on."""
+        params = self.policy.params
+        ln = {CH: (params["mu_chat"], params["sigma_chat"]), AG: (params["mu_agent"], params["sigma_agent"])}
+        tables, used_now = [], []
+        built = self._emp_built
+        for q, gaps in zip((CH, AG), empirical_inputs(self.arrivals.raw_gaps, used), strict=True):
+            e = built.get(q)
+            if e is None or (e.n, e.mu, e.sigma) != (gaps.size, *ln[q]):
+                e = built[q] = EmpiricalGaps(gaps, *ln[q], EMPIRICAL_PRIOR)
+            tables.extend(e.table())
+            used_now.append(e.n)
+        return tables, (used_now[0], used_now[1])
+
+    def _emp_rows(self, rows: list[list[np.ndarray]]) -> None:
+        """Write the window's rows of tables into emp (grown in doublings) and start at row 0."""
+        ps = self.state
+        need = 1 + 4 * len(rows)
+        if ps.emp.shape[0] < need or ps.emp.shape[1] != EMPIRICAL_GRID.size:
+            emp = np.zeros((max(need, 2 * ps.emp.shape[0]), EMPIRICAL_GRID.size))
+            emp[0] = EMPIRICAL_GRID
+            self.state = ps = ps._replace(emp=emp)
+        for r, tables in enumerate(rows):
+            ps.emp[1 + 4 * r:5 + 4 * r] = tables
+        ps.si[EMP_ROW] = 0
+
+    def _arrive(self, a: int, b: int, gaps: bool = False) -> None:
+        """Requests ``a .. b-1`` arrive; with ``gaps`` (empirical_gaps), the chat and agent gaps they complete join
+        the arrivals' raw gaps (the Python arrivals keep them themselves)."""
         ps = self.state
         if self.compiled is not None:
+            st = self.compiled.state
+            if gaps:  # each request's session's last arrival before this piece (Arrivals.arrive's gap reads it)
+                sess = st.session[a:b]
+                before = st.sess_t[sess]
             self.compiled.run(a, b, ps.req[R_Q], ps.req[R_SLOT], ps.req[R_FLAGS], ps.req_pst)
+            if gaps:
+                self._record_gaps(a, b, sess, before)
             return
         arrivals, trace = self.arrivals, self.trace
         t = trace.t[a:b].tolist()
@@ -1046,6 +1155,22 @@ class SAECacheTwin(Twin):
             flags.append(REFIT * refit + STRUCTURAL * structural)
             pst.append(arrivals.p_structural)
         ps.req[R_Q, a:b], ps.req[R_SLOT, a:b], ps.req[R_FLAGS, a:b], ps.req_pst[a:b] = q, slot, flags, pst
+
+    def _record_gaps(self, a: int, b: int, sess: np.ndarray, before: np.ndarray) -> None:
+        """Arrivals.arrive's raw gaps of requests ``a .. b-1`` (sessions ``sess``, whose last arrivals before them
+        were ``before``), which the compiled arrivals count but do not keep: a request of a known session in the chat
+        or agent queue completes the gap since its session's previous arrival, that in this piece or before it."""
+        t = self.trace.t[a:b]
+        last = before.copy()
+        order = np.lexsort((np.arange(sess.size), sess))
+        same = sess[order[1:]] == sess[order[:-1]]
+        last[order[1:][same]] = t[order[:-1][same]]  # the previous request of the same session in the piece
+        q = self.state.req[R_Q, a:b]
+        gap = t - last  # NaN where the session had no arrival before
+        keep = (sess >= 0) & (gap > 0)
+        raw = self.arrivals.raw_gaps
+        for queue in (CH, AG):
+            raw[queue].extend(gap[keep & (q == queue)].tolist())
 
     def _python_arrivals(self):
         """The arrivals object, with the compiled arrivals' state written back into it."""
@@ -1076,7 +1201,9 @@ class SAECacheTwin(Twin):
                 "inflight_slot": ps.req[R_SLOT, inflight].astype(np.int64), **self._python_arrivals().export_state(),
                 **({"offset": np.where(queue == ST, ps.offset[:n], 0.0)} if self.policy.switches["position_decay"]
                    else {}),
-                **(self._rebin_state(n) if self.policy.switches["rebin"] else {})}
+                **(self._rebin_state(n) if self.policy.switches["rebin"] else {}),
+                **({"empirical_used": np.array(self._emp_now[1], dtype=np.int64)}
+                   if self.policy.switches["empirical_gaps"] else {})}
 
     def _rebin_state(self, n: int) -> dict[str, np.ndarray]:
         ps = self.state
@@ -1093,6 +1220,8 @@ class SAECacheTwin(Twin):
 
     def params_changed(self) -> None:
         self._constants()
+        if self.policy.switches["empirical_gaps"]:  # SAECachePolicy.params_changed rebuilds them on every gap so far
+            self._emp_now = self._emp_tables()
         # as Python: an inlined kernel called from Python is compiled afresh in every process (0.2 s; numba's
         # cache keeps only the functions it is asked to cache)
         _changed.py_func(self.state)

@@ -69,7 +69,7 @@ continuation bin of the request that released it as the continuation model sees 
 it returns; off: a block keeps the bin the model gave its request at the request's arrival, when the model knew less),
 ``empirical_gaps`` (on: the chat and agent queues' hit density reads a gap distribution of the shape of the session
 gaps completed so far, with the learners' log-normal as a prior of ``EMPIRICAL_PRIOR`` pseudo-gaps, rebuilt at every
-refit: survival.EmpiricalGaps; the continuation model keeps the log-normal; the Python engine only),
+refit: survival.EmpiricalGaps; the continuation model keeps the log-normal),
 ``type_weights`` (off: w = 1), ``adaptive_alpha`` (off:
 alpha = 1), ``lognormal`` (off: exponential gaps), ``position_decay`` (off: no offset term), ``multi_queue`` (off: one
 temporal queue, no PE priority), ``predictor`` (the paper's ranking: off routes first requests by rule only; under the
@@ -121,8 +121,9 @@ from sae_env.serving.hardware import GPUS, MODELS
 from sae_env.serving.roofline import RooflineCost
 from sae_env.trace import N_TOKEN_TYPES, TokenType, Trace
 
-__all__ = ["AG", "CH", "CLOCK_STEP", "GROUP_SLOT", "PAPER", "PARAM_SPECS", "PE", "QUEUES", "ST", "VALUE_STRIDE",
-           "Predictor", "SAECachePaperPolicy", "SAECachePolicy", "gap_models", "value_bins", "value_weight"]
+__all__ = ["AG", "CH", "CLOCK_STEP", "EMPIRICAL_PRIOR", "GROUP_SLOT", "PAPER", "PARAM_SPECS", "PE", "QUEUES", "ST",
+           "VALUE_STRIDE", "Predictor", "SAECachePaperPolicy", "SAECachePolicy", "empirical_inputs", "gap_models",
+           "value_bins", "value_weight"]
 
 _SQRT2 = math.sqrt(2.0)
 _STRUCTURAL_TYPES = (TokenType.SYSTEM, TokenType.TEMPLATE)
@@ -869,14 +870,16 @@ class SAECachePolicy(EvictionPolicy):
             self._empirical_gaps()
         self._changed()
 
-    def _empirical_gaps(self) -> None:
-        """``empirical_gaps``: the chat and agent queues' gap distributions from the gaps completed so far, with the
-        learners' current log-normal as the prior."""
-        raw = self.arrivals.raw_gaps
-        for q in (CH, AG):
+    def _empirical_gaps(self, used: tuple[int, int] | None = None) -> None:
+        """``empirical_gaps``: the chat and agent queues' gap distributions from the gaps completed so far (the first
+        ``used`` of each queue's, when given: as an exported state had them), with the learners' current log-normal
+        as the prior."""
+        for q, gaps in zip((CH, AG), empirical_inputs(self.arrivals.raw_gaps, used), strict=True):
             mu, sigma = self._ln[q]
-            self._gaps[q] = EmpiricalGaps(np.frombuffer(raw[q], dtype=np.float64) if len(raw[q]) else np.zeros(0),
-                                          mu, sigma, EMPIRICAL_PRIOR)
+            now = self._gaps.get(q)
+            if isinstance(now, EmpiricalGaps) and (now.n, now.mu, now.sigma) == (gaps.size, mu, sigma):
+                continue  # no gap since, the same prior: the same distribution
+            self._gaps[q] = EmpiricalGaps(gaps, mu, sigma, EMPIRICAL_PRIOR)
 
     def _rebin_blocks(self) -> None:
         """``rebin``: every evictable chat or agent block moves to the continuation bin of its releasing request as the
@@ -966,6 +969,8 @@ class SAECachePolicy(EvictionPolicy):
             out["rebin_bins"] = np.fromiter(bins.values(), dtype=np.int64, count=len(bins))
         if self.switches["position_decay"]:  # a structural block's relative offset (unused otherwise)
             out["offset"] = block_array(blocks, index, lambda b: b.pdata if b.queue == ST else None, np.float64)
+        if self._empirical:  # the gaps the ranking's distributions were built from (each queue's first n)
+            out["empirical_used"] = np.array([self._gaps[CH].n, self._gaps[AG].n], dtype=np.int64)
         return out
 
     def import_state(self, state: dict[str, Any], blocks: list[Block]) -> None:
@@ -1012,6 +1017,9 @@ class SAECachePolicy(EvictionPolicy):
         self._inflight = {i: (q, s) for i, q, s in zip(state["inflight"].tolist(), state["inflight_queue"].tolist(),
                                                        state["inflight_slot"].tolist(), strict=True)}
         self.arrivals.import_state(state)
+        if self._empirical:
+            used = state.get("empirical_used")
+            self._empirical_gaps(None if used is None else (int(used[0]), int(used[1])))
 
     def check_invariants(self) -> None:
         """Every unpinned block is in exactly one place: live in its group's list, valid in its group's
@@ -1066,6 +1074,16 @@ class SAECachePolicy(EvictionPolicy):
 def _lognormal_params(params: dict[str, float]) -> dict[int, tuple[float, float]]:
     return {CH: (params["mu_chat"], params["sigma_chat"]), AG: (params["mu_agent"], params["sigma_agent"]),
             ST: (params["mu_structural"], params["sigma_structural"])}
+
+
+def empirical_inputs(raw: dict[int, Any], used: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``empirical_gaps``: the chat and agent queues' completed gaps (``Arrivals.raw_gaps``), each queue's first
+    ``used`` when given, as arrays (the compiled twin builds its tables from the same)."""
+    out = []
+    for k, q in enumerate((CH, AG)):
+        n = len(raw[q]) if used is None else used[k]
+        out.append(np.frombuffer(raw[q], dtype=np.float64)[:n] if n else np.zeros(0))
+    return out[0], out[1]
 
 
 def gap_models(params: dict[str, float], lognormal: bool = True) -> dict[int, LognormalGaps]:

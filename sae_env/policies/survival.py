@@ -164,6 +164,7 @@ class ExponentialGaps(LognormalGaps):
 # The idle times (s) an EmpiricalGaps keeps its survival at: 0, then 4,000 points a factor 1.0046 apart from 10 ms to
 # 11.6 days (one per 0.46 % of idle time: interpolating between them moves a score by less than the estimates resolve).
 EMPIRICAL_GRID = np.concatenate([[0.0], np.geomspace(0.01, 1e6, 4000)])
+_GRID_LIST = EMPIRICAL_GRID.tolist()
 
 
 class EmpiricalGaps:
@@ -179,7 +180,7 @@ class EmpiricalGaps:
     log-normal's, this density need not rise then fall with idle time: a scan that scores a group's oldest and newest
     blocks (SAECache's) finds the least of those two, not always the least of the group."""
 
-    __slots__ = ("mu", "sigma", "n", "_s", "_cum", "_grid")
+    __slots__ = ("mu", "sigma", "n", "_table", "_lists")
 
     def __init__(self, gaps: np.ndarray, mu: float, sigma: float, prior: float):
         if not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
@@ -197,24 +198,31 @@ class EmpiricalGaps:
         s = 1.0 - (g.size * f_emp + prior * (1.0 - s_ln)) / (g.size + prior)
         cum = np.zeros(grid.size)
         cum[1:] = np.cumsum(0.5 * (s[1:] + s[:-1]) * np.diff(grid))
-        # Python lists: density reads a few entries per call, where numpy scalars would cost more than the arithmetic
-        self._grid, self._s, self._cum = grid.tolist(), s.tolist(), cum.tolist()
+        self._table = (s, cum)
+        self._lists: tuple[list[float], list[float], list[float]] | None = None  # made when density is first asked
 
     def _at(self, t: float) -> tuple[float, float]:
         """(survival, its integral from 0) at idle time ``t``."""
-        grid = self._grid
+        if self._lists is None:  # Python lists: density reads a few entries a call, where numpy scalars cost more
+            self._lists = (_GRID_LIST, self._table[0].tolist(), self._table[1].tolist())
+        grid, surv, cum = self._lists
         k = bisect.bisect_right(grid, t) - 1
         if k >= len(grid) - 1:
-            last = self._s[-1]
-            return last, self._cum[-1] + last * (t - grid[-1])
+            last = surv[-1]
+            return last, cum[-1] + last * (t - grid[-1])
         t0, t1 = grid[k], grid[k + 1]
-        s0, s1 = self._s[k], self._s[k + 1]
+        s0, s1 = surv[k], surv[k + 1]
         x = t - t0
         s = s0 + (s1 - s0) * x / (t1 - t0)
-        return s, self._cum[k] + 0.5 * (s0 + s) * x
+        return s, cum[k] + 0.5 * (s0 + s) * x
 
     def sf(self, dt: float) -> float:
         return self._at(dt)[0] if dt > 0.0 else 1.0
+
+    def table(self) -> tuple[np.ndarray, np.ndarray]:
+        """The survival and its integral at :data:`EMPIRICAL_GRID`, as arrays (read-only; the same floats: a compiled
+        copy of :meth:`density` reads them)."""
+        return self._table
 
     def density(self, p: float, dt: float, horizon: float) -> float:
         """Hit density of a block idle ``dt`` of a session continuing with probability ``p`` (module docstring)."""
