@@ -24,8 +24,8 @@ Under ``empirical_gaps`` each refit rebuilds the chat and agent queues' gap dist
 far (survival.EmpiricalGaps). The twin runs the arrivals ahead in pieces that end at each refit (as for rebin),
 collects the gaps the compiled arrivals count but do not keep (_record_gaps), and builds each refit's tables in
 numpy, a row of ``emp`` each; the kernel moves to the next row at each refit and scores chat and agent blocks by the
-same bisection and interpolation as EmpiricalGaps.density, bit for bit, with no lower bound (such a density need not
-rise, then fall).
+same bisection and interpolation as EmpiricalGaps.density, bit for bit, with a lower bound that holds for any survival
+(such a density need not rise, then fall: see _emp_density).
 
 Victims. The Python policy keeps, per group (queue, type when typed, continuation bin, value bin under hit_value),
 its released leaves in a recency list and the blocks that became leaves later in returned-heaps, and scores three
@@ -404,19 +404,30 @@ def _emp_at(emp, r, t):
 
 
 @inline
-def _emp_density(emp, r, p, dt, horizon):
-    """EmpiricalGaps.density over table ``r`` of ``emp`` (dt > 0 here)."""
+def _emp_density(emp, r, p, dt, horizon, dt_b):
+    """EmpiricalGaps.density over table ``r`` of ``emp`` (dt > 0 here), and a lower bound on it over the idle times
+    ``[dt, dt_b]``: as in _bound, the density is ``p D / (p M + (1 - p) H)``, ``M`` falls with idle time, and for
+    any survival ``D(t) = S(t) - S(t + H) >= S(dt_b) - S(dt + H)`` on the interval (``S`` does not rise, nor does
+    its linear interpolation). Looser than the log-normal's, and void (0) once the interval reaches a horizon."""
     if horizon <= 0.0:
-        return 0.0
+        return 0.0, 0.0
     s_now, c_now = _emp_at(emp, r, dt)
     if s_now < _TINY:
-        return 0.0
+        return 0.0, 0.0
     alive = p * s_now
     pi = alive / (1.0 - p + alive) if alive > 0.0 else 0.0
     s_end, c_end = _emp_at(emp, r, dt + horizon)
     hit = pi * (s_now - s_end) / s_now
     held = pi * max((c_end - c_now) / s_now, 0.0) + (1.0 - pi) * horizon
-    return hit / held if held > 0.0 else 0.0
+    f = hit / held if held > 0.0 else 0.0
+    s_b, _ = _emp_at(emp, r, dt_b)
+    d = s_b - s_end
+    m = c_end - c_now
+    # no bound where the floats lose digits: D a millionth of the survival, M cancelling in its integral's difference
+    if not (d > 1e-6 * s_now and m > 1e-6 * c_end and p * s_b * d > 1e-280):
+        return f, 0.0
+    den = p * m + (1.0 - p) * horizon
+    return f, p * d / den if den > 0.0 else 0.0
 
 
 @inline
@@ -447,8 +458,9 @@ def _score(ps, recf, g, s, now, until):
         dt_b = min_dt
     p = ps.sf[PST] if q == ST else ps.slotp[g % N_GROUPS // GROUP_SLOT]
     horizon = ps.sf[HORIZON] if ps.si[HAS_HOR] else ps.sf[EXP_MEAN_CH]
-    if ps.si[EMP] and (q == CH or q == AG):  # no lower bound: an empirical density need not rise, then fall
-        return ps.coef[code] * _emp_density(ps.emp, 1 + 4 * ps.si[EMP_ROW] + 2 * (q - CH), p, dt, horizon), 0.0
+    if ps.si[EMP] and (q == CH or q == AG):  # an empirical density need not rise, then fall: its own bound
+        f, lb = _emp_density(ps.emp, 1 + 4 * ps.si[EMP_ROW] + 2 * (q - CH), p, dt, horizon, dt_b)
+        return ps.coef[code] * f, ps.coef[code] * lb
     gp = ps.gaps
     f, lb = density_and_bound(gp[q, 0], gp[q, 1], gp[q, 2], gp[q, 3], p, dt, horizon, dt_b)
     return ps.coef[code] * f, ps.coef[code] * lb

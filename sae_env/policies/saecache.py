@@ -345,7 +345,7 @@ class SAECachePolicy(EvictionPolicy):
         self._exp_mean = {q: math.exp(mu + s * s / 2) for q, (mu, s) in self._ln.items()}
         self._gaps = gap_models(p, sw["lognormal"])
         self.arrivals.gaps = (self._gaps[CH], self._gaps[AG])  # the continuation model's, log-normal in any case
-        if self._empirical:
+        if self._empirical and self._params_watcher is None:  # (watched: the compiled engine ranks, and rebuilds)
             self._empirical_gaps()
         self._gamma = p["gamma"]
         # per group: (PE flag, ranking kind, its two constants, alpha * w), see _constants

@@ -167,6 +167,22 @@ EMPIRICAL_GRID = np.concatenate([[0.0], np.geomspace(0.01, 1e6, 4000)])
 _GRID_LIST = EMPIRICAL_GRID.tolist()
 
 
+_LN_ON_GRID: dict[tuple[float, float], np.ndarray] = {}  # (mu, sigma) -> the log-normal's survival on the grid
+
+
+def _grid_lognormal_sf(mu: float, sigma: float) -> np.ndarray:
+    """``LN(mu, sigma)``'s survival at :data:`EMPIRICAL_GRID` (read-only), kept for the last few constants: a refit
+    rebuilds the empirical distributions with the learners' constants of the window, the same until they move."""
+    s = _LN_ON_GRID.get((mu, sigma))
+    if s is None:
+        if len(_LN_ON_GRID) >= 8:
+            _LN_ON_GRID.clear()
+        s = np.ones(EMPIRICAL_GRID.size)
+        s[1:] = 0.5 * erfc((np.log(EMPIRICAL_GRID[1:]) - mu) / (sigma * _SQRT2))
+        _LN_ON_GRID[(mu, sigma)] = s
+    return s
+
+
 class EmpiricalGaps:
     """A gap distribution of the shape the gaps completed so far have, with a log-normal prior (the
     ``empirical_gaps`` switch of SAECache): ``F = (n F_n + n0 F_LN) / (n + n0)``, ``F_n`` the empirical distribution
@@ -193,9 +209,7 @@ class EmpiricalGaps:
         self.mu, self.sigma, self.n = float(mu), float(sigma), int(g.size)
         grid = EMPIRICAL_GRID
         f_emp = np.searchsorted(g, grid, side="right") / max(g.size, 1)
-        s_ln = np.ones(grid.size)
-        s_ln[1:] = 0.5 * erfc((np.log(grid[1:]) - mu) / (sigma * _SQRT2))
-        s = 1.0 - (g.size * f_emp + prior * (1.0 - s_ln)) / (g.size + prior)
+        s = 1.0 - (g.size * f_emp + prior * (1.0 - _grid_lognormal_sf(self.mu, self.sigma))) / (g.size + prior)
         cum = np.zeros(grid.size)
         cum[1:] = np.cumsum(0.5 * (s[1:] + s[:-1]) * np.diff(grid))
         self._table = (s, cum)
