@@ -26,6 +26,7 @@ from sae_env.policies.survival import (
     EMPIRICAL_GRID,
     EmpiricalGaps,
     ExponentialGaps,
+    GapCounts,
     LognormalGaps,
     alive_posterior,
     hit_density,
@@ -189,3 +190,22 @@ def test_empirical_gaps_bad_input():
     with pytest.raises(ValueError, match="prior"):
         EmpiricalGaps(np.zeros(0), 3.0, 1.0, 0.0)
     assert EMPIRICAL_GRID[0] == 0.0 and np.all(np.diff(EMPIRICAL_GRID) > 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chunks=st.lists(st.lists(st.floats(1e-4, 1e7), max_size=30), max_size=6))
+def test_gap_counts_are_the_sorted_gaps_search(chunks):
+    """Counted a chunk at a time, on the grid's cells: the counts at most each grid point are searchsorted's on all
+    the gaps sorted (the same integers, so the same distribution), exactly; and a sequence cannot shrink."""
+    counts, seen = GapCounts(), []
+    for chunk in chunks:
+        seen += chunk
+        counts.extend_to(np.array(seen))
+        want = np.searchsorted(np.sort(np.array(seen)), EMPIRICAL_GRID, side="right")
+        assert counts.n == len(seen) and np.array_equal(counts.at_most(), want)
+    a = EmpiricalGaps(counts, 3.0, 1.2, 50.0)
+    b = EmpiricalGaps(np.array(seen), 3.0, 1.2, 50.0)
+    assert all(np.array_equal(x, y) for x, y in zip(a.table(), b.table(), strict=True)) and a.n == b.n
+    if seen:
+        with pytest.raises(ValueError, match="counted"):
+            counts.extend_to(np.array(seen[:-1]))

@@ -91,7 +91,7 @@ from sae_env.policies.saecache import (
     value_weight,
     window_stats,
 )
-from sae_env.policies.survival import EMPIRICAL_GRID, EmpiricalGaps
+from sae_env.policies.survival import EMPIRICAL_GRID, EmpiricalGaps, GapCounts
 from sae_env.trace import TokenType
 
 # Groups of one value bin (hit_value: group id + N_GROUPS * bin, as the policy's VALUE_STRIDE; off: bin 0 only).
@@ -1034,6 +1034,7 @@ class SAECacheTwin(Twin):
         self._constants()
         # empirical_gaps: each queue's last distribution, rebuilt only when a gap or its prior moved (the same floats)
         self._emp_built: dict[int, EmpiricalGaps] = {}
+        self._emp_counts: dict[int, GapCounts] = {}  # each queue's raw gaps counted on the grid so far
         if sw["empirical_gaps"]:  # the tables the policy ranked with when it exported its state
             used = state.get("empirical_used")
             self._emp_now = self._emp_tables(None if used is None else (int(used[0]), int(used[1])))
@@ -1123,11 +1124,14 @@ class SAECacheTwin(Twin):
         params = self.policy.params
         ln = {CH: (params["mu_chat"], params["sigma_chat"]), AG: (params["mu_agent"], params["sigma_agent"])}
         tables, used_now = [], []
-        built = self._emp_built
+        built, counted = self._emp_built, self._emp_counts
         for q, gaps in zip((CH, AG), empirical_inputs(self.arrivals.raw_gaps, used), strict=True):
             e = built.get(q)
             if e is None or (e.n, e.mu, e.sigma) != (gaps.size, *ln[q]):
-                e = built[q] = EmpiricalGaps(gaps, *ln[q], EMPIRICAL_PRIOR)
+                counts = counted.get(q)
+                if counts is None or counts.n > gaps.size:
+                    counts = counted[q] = GapCounts()
+                e = built[q] = EmpiricalGaps(counts.extend_to(gaps), *ln[q], EMPIRICAL_PRIOR)
             tables.extend(e.table())
             used_now.append(e.n)
         return tables, (used_now[0], used_now[1])

@@ -116,7 +116,7 @@ from sae_env.policies.arrivals import (
     slot_p,
 )
 from sae_env.policies.base import EvictionPolicy, ParamSpec, block_array
-from sae_env.policies.survival import EmpiricalGaps, ExponentialGaps, LognormalGaps
+from sae_env.policies.survival import EmpiricalGaps, ExponentialGaps, GapCounts, LognormalGaps
 from sae_env.serving.hardware import GPUS, MODELS
 from sae_env.serving.roofline import RooflineCost
 from sae_env.trace import N_TOKEN_TYPES, TokenType, Trace
@@ -256,6 +256,7 @@ class SAECachePolicy(EvictionPolicy):
             raise ValueError("saecache: rebin moves blocks between continuation bins, which exist only with the "
                              "continuation model and the hit density (continuation=True, density=True)")
         self._empirical = self.switches["empirical_gaps"]
+        self._gap_counts: dict[int, GapCounts] = {}  # empirical_gaps: each queue's raw gaps counted on the grid so far
         if self._empirical and not (self._density and self.switches["lognormal"]):
             raise ValueError("saecache: empirical_gaps shapes the hit density's gap distribution, with the log-normal "
                              "as its prior: it needs density=True and lognormal=True")
@@ -879,7 +880,10 @@ class SAECachePolicy(EvictionPolicy):
             now = self._gaps.get(q)
             if isinstance(now, EmpiricalGaps) and (now.n, now.mu, now.sigma) == (gaps.size, mu, sigma):
                 continue  # no gap since, the same prior: the same distribution
-            self._gaps[q] = EmpiricalGaps(gaps, mu, sigma, EMPIRICAL_PRIOR)
+            counts = self._gap_counts.get(q)
+            if counts is None or counts.n > gaps.size:
+                counts = self._gap_counts[q] = GapCounts()
+            self._gaps[q] = EmpiricalGaps(counts.extend_to(gaps), mu, sigma, EMPIRICAL_PRIOR)
 
     def _rebin_blocks(self) -> None:
         """``rebin``: every evictable chat or agent block moves to the continuation bin of its releasing request as the
@@ -1017,7 +1021,8 @@ class SAECachePolicy(EvictionPolicy):
         self._inflight = {i: (q, s) for i, q, s in zip(state["inflight"].tolist(), state["inflight_queue"].tolist(),
                                                        state["inflight_slot"].tolist(), strict=True)}
         self.arrivals.import_state(state)
-        if self._empirical:
+        if self._empirical:  # the raw gaps are the state's now: counted again
+            self._gap_counts = {}
             used = state.get("empirical_used")
             self._empirical_gaps(None if used is None else (int(used[0]), int(used[1])))
 

@@ -30,8 +30,8 @@ import math
 import numpy as np
 from scipy.special import erfc
 
-__all__ = ["EMPIRICAL_GRID", "EmpiricalGaps", "ExponentialGaps", "LognormalGaps", "alive_posterior", "hit_density",
-           "lognormal_sf"]
+__all__ = ["EMPIRICAL_GRID", "EmpiricalGaps", "ExponentialGaps", "GapCounts", "LognormalGaps", "alive_posterior",
+           "hit_density", "lognormal_sf"]
 
 _SQRT2 = math.sqrt(2.0)
 _TINY = 1e-300
@@ -167,6 +167,40 @@ EMPIRICAL_GRID = np.concatenate([[0.0], np.geomspace(0.01, 1e6, 4000)])
 _GRID_LIST = EMPIRICAL_GRID.tolist()
 
 
+class GapCounts:
+    """Gaps counted by the cell of :data:`EMPIRICAL_GRID` they fall in (``grid[c - 1] < g <= grid[c]``; the last
+    cell: past the grid), so that an :class:`EmpiricalGaps` on gaps that grow by a few at a time costs a pass over the
+    grid, not a sort of every gap so far. :meth:`at_most` is what ``searchsorted(sorted gaps, grid, "right")`` gives:
+    the same integers."""
+
+    __slots__ = ("n", "_cells")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._cells = np.zeros(EMPIRICAL_GRID.size + 1, dtype=np.int64)
+
+    def add(self, gaps: np.ndarray) -> GapCounts:
+        """Count ``gaps`` too (returns self)."""
+        g = np.asarray(gaps, dtype=np.float64)
+        if g.size:
+            if not (np.all(g > 0) and np.all(np.isfinite(g))):
+                raise ValueError("empirical gaps must be positive and finite")
+            np.add.at(self._cells, np.searchsorted(EMPIRICAL_GRID, g, side="left"), 1)
+            self.n += g.size
+        return self
+
+    def extend_to(self, gaps: np.ndarray) -> GapCounts:
+        """Count the gaps of ``gaps`` past the ones counted so far, which must be its first ``n`` (a sequence that
+        only grows: the arrivals' raw gaps). Returns self."""
+        if len(gaps) < self.n:
+            raise ValueError(f"gap counts: {self.n} gaps counted, the sequence holds only {len(gaps)}")
+        return self.add(gaps[self.n:])
+
+    def at_most(self) -> np.ndarray:
+        """The gaps counted at most each grid point's idle time (int64, one per grid point)."""
+        return np.cumsum(self._cells[:-1])
+
+
 _LN_ON_GRID: dict[tuple[float, float], np.ndarray] = {}  # (mu, sigma) -> the log-normal's survival on the grid
 
 
@@ -198,18 +232,18 @@ class EmpiricalGaps:
 
     __slots__ = ("mu", "sigma", "n", "_table", "_lists")
 
-    def __init__(self, gaps: np.ndarray, mu: float, sigma: float, prior: float):
+    def __init__(self, gaps: np.ndarray | GapCounts, mu: float, sigma: float, prior: float):
         if not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
             raise ValueError(f"empirical gaps need a finite mu and sigma > 0 for their prior, got ({mu}, {sigma})")
         if not (prior > 0 and math.isfinite(prior)):
             raise ValueError(f"empirical gaps need a positive prior weight, got {prior}")
-        g = np.sort(np.asarray(gaps, dtype=np.float64))
-        if g.size and not (g[0] > 0 and math.isfinite(g[-1])):
-            raise ValueError("empirical gaps must be positive and finite")
-        self.mu, self.sigma, self.n = float(mu), float(sigma), int(g.size)
+        if not isinstance(gaps, GapCounts):
+            gaps = GapCounts().add(gaps)
+        n, at_most = gaps.n, gaps.at_most()  # the gaps at most each grid point's idle time
+        self.mu, self.sigma, self.n = float(mu), float(sigma), n
         grid = EMPIRICAL_GRID
-        f_emp = np.searchsorted(g, grid, side="right") / max(g.size, 1)
-        s = 1.0 - (g.size * f_emp + prior * (1.0 - _grid_lognormal_sf(self.mu, self.sigma))) / (g.size + prior)
+        f_emp = at_most / max(n, 1)
+        s = 1.0 - (n * f_emp + prior * (1.0 - _grid_lognormal_sf(self.mu, self.sigma))) / (n + prior)
         cum = np.zeros(grid.size)
         cum[1:] = np.cumsum(0.5 * (s[1:] + s[:-1]) * np.diff(grid))
         self._table = (s, cum)
