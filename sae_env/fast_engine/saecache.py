@@ -80,18 +80,17 @@ from sae_env.fast_engine.twin import Twin, register
 from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, REFIT_EVERY, ST, slot_p
 from sae_env.policies.continuation import P_CLIP
 from sae_env.policies.saecache import (
-    EMPIRICAL_PRIOR,
     GROUP_SLOT,
     VALUE_STRIDE,
+    EmpiricalShapes,
     SAECachePaperPolicy,
     SAECachePolicy,
-    empirical_inputs,
     gap_models,
     value_bins,
     value_weight,
     window_stats,
 )
-from sae_env.policies.survival import EMPIRICAL_GRID, EmpiricalGaps, GapCounts
+from sae_env.policies.survival import EMPIRICAL_GRID
 from sae_env.trace import TokenType
 
 # Groups of one value bin (hit_value: group id + N_GROUPS * bin, as the policy's VALUE_STRIDE; off: bin 0 only).
@@ -1032,9 +1031,7 @@ class SAECacheTwin(Twin):
             self.state.offset[:n] = state["offset"]
         self.compiled = compiled(arrivals)  # the per-arrival state, as arrays (None: Python arrivals)
         self._constants()
-        # empirical_gaps: each queue's last distribution, rebuilt only when a gap or its prior moved (the same floats)
-        self._emp_built: dict[int, EmpiricalGaps] = {}
-        self._emp_counts: dict[int, GapCounts] = {}  # each queue's raw gaps counted on the grid so far
+        self._emp_shapes = EmpiricalShapes()  # empirical_gaps: the twin's own, on its arrivals' raw gaps
         if sw["empirical_gaps"]:  # the tables the policy ranked with when it exported its state
             used = state.get("empirical_used")
             self._emp_now = self._emp_tables(None if used is None else (int(used[0]), int(used[1])))
@@ -1121,20 +1118,8 @@ class SAECacheTwin(Twin):
     def _emp_tables(self, used: tuple[int, int] | None = None) -> tuple[list[np.ndarray], tuple[int, int]]:
         """SAECachePolicy._empirical_gaps: the chat and agent tables (survival, integral; EmpiricalGaps.table) from the
         gaps the arrivals completed so far (each queue's first ``used``), and how many each rests on."""
-        params = self.policy.params
-        ln = {CH: (params["mu_chat"], params["sigma_chat"]), AG: (params["mu_agent"], params["sigma_agent"])}
-        tables, used_now = [], []
-        built, counted = self._emp_built, self._emp_counts
-        for q, gaps in zip((CH, AG), empirical_inputs(self.arrivals.raw_gaps, used), strict=True):
-            e = built.get(q)
-            if e is None or (e.n, e.mu, e.sigma) != (gaps.size, *ln[q]):
-                counts = counted.get(q)
-                if counts is None or counts.n > gaps.size:
-                    counts = counted[q] = GapCounts()
-                e = built[q] = EmpiricalGaps(counts.extend_to(gaps), *ln[q], EMPIRICAL_PRIOR)
-            tables.extend(e.table())
-            used_now.append(e.n)
-        return tables, (used_now[0], used_now[1])
+        shapes = self._emp_shapes.update(self.arrivals.raw_gaps, self.policy.params, used)
+        return [*shapes[CH].table(), *shapes[AG].table()], (shapes[CH].n, shapes[AG].n)
 
     def _emp_rows(self, rows: list[list[np.ndarray]]) -> None:
         """Write the window's rows of tables into emp (grown in doublings) and start at row 0."""

@@ -122,7 +122,7 @@ from sae_env.serving.roofline import RooflineCost
 from sae_env.trace import N_TOKEN_TYPES, TokenType, Trace
 
 __all__ = ["AG", "CH", "CLOCK_STEP", "EMPIRICAL_PRIOR", "GROUP_SLOT", "PAPER", "PARAM_SPECS", "PE", "QUEUES", "ST",
-           "VALUE_STRIDE", "Predictor", "SAECachePaperPolicy", "SAECachePolicy", "empirical_inputs", "gap_models",
+           "VALUE_STRIDE", "EmpiricalShapes", "Predictor", "SAECachePaperPolicy", "SAECachePolicy", "gap_models",
            "value_bins", "value_weight"]
 
 _SQRT2 = math.sqrt(2.0)
@@ -256,7 +256,7 @@ class SAECachePolicy(EvictionPolicy):
             raise ValueError("saecache: rebin moves blocks between continuation bins, which exist only with the "
                              "continuation model and the hit density (continuation=True, density=True)")
         self._empirical = self.switches["empirical_gaps"]
-        self._gap_counts: dict[int, GapCounts] = {}  # empirical_gaps: each queue's raw gaps counted on the grid so far
+        self._shapes = EmpiricalShapes()  # empirical_gaps: the chat and agent queues' distributions
         if self._empirical and not (self._density and self.switches["lognormal"]):
             raise ValueError("saecache: empirical_gaps shapes the hit density's gap distribution, with the log-normal "
                              "as its prior: it needs density=True and lognormal=True")
@@ -875,15 +875,7 @@ class SAECachePolicy(EvictionPolicy):
         """``empirical_gaps``: the chat and agent queues' gap distributions from the gaps completed so far (the first
         ``used`` of each queue's, when given: as an exported state had them), with the learners' current log-normal
         as the prior."""
-        for q, gaps in zip((CH, AG), empirical_inputs(self.arrivals.raw_gaps, used), strict=True):
-            mu, sigma = self._ln[q]
-            now = self._gaps.get(q)
-            if isinstance(now, EmpiricalGaps) and (now.n, now.mu, now.sigma) == (gaps.size, mu, sigma):
-                continue  # no gap since, the same prior: the same distribution
-            counts = self._gap_counts.get(q)
-            if counts is None or counts.n > gaps.size:
-                counts = self._gap_counts[q] = GapCounts()
-            self._gaps[q] = EmpiricalGaps(counts.extend_to(gaps), mu, sigma, EMPIRICAL_PRIOR)
+        self._gaps.update(self._shapes.update(self.arrivals.raw_gaps, self._params, used))
 
     def _rebin_blocks(self) -> None:
         """``rebin``: every evictable chat or agent block moves to the continuation bin of its releasing request as the
@@ -1022,7 +1014,7 @@ class SAECachePolicy(EvictionPolicy):
                                                        state["inflight_slot"].tolist(), strict=True)}
         self.arrivals.import_state(state)
         if self._empirical:  # the raw gaps are the state's now: counted again
-            self._gap_counts = {}
+            self._shapes = EmpiricalShapes()
             used = state.get("empirical_used")
             self._empirical_gaps(None if used is None else (int(used[0]), int(used[1])))
 
@@ -1081,14 +1073,33 @@ def _lognormal_params(params: dict[str, float]) -> dict[int, tuple[float, float]
             ST: (params["mu_structural"], params["sigma_structural"])}
 
 
-def empirical_inputs(raw: dict[int, Any], used: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``empirical_gaps``: the chat and agent queues' completed gaps (``Arrivals.raw_gaps``), each queue's first
-    ``used`` when given, as arrays (the compiled twin builds its tables from the same)."""
-    out = []
-    for k, q in enumerate((CH, AG)):
-        n = len(raw[q]) if used is None else used[k]
-        out.append(np.frombuffer(raw[q], dtype=np.float64)[:n] if n else np.zeros(0))
-    return out[0], out[1]
+class EmpiricalShapes:
+    """``empirical_gaps``: the chat and agent queues' gap distributions (survival.EmpiricalGaps) from the gaps the
+    arrivals completed so far, with the log-normal of the current parameters as the prior. One for the policy, one for
+    the compiled twin: both rebuild a queue's distribution only when its gaps or its prior moved (the same floats
+    otherwise), from the gaps counted on the grid as they came. The raw gaps must only grow between calls; a caller
+    whose raw gaps are replaced (an imported state) starts a new one."""
+
+    def __init__(self) -> None:
+        self._built: dict[int, EmpiricalGaps] = {}
+        self._counts: dict[int, GapCounts] = {}
+
+    def update(self, raw: dict[int, Any], params: dict[str, float],
+               used: tuple[int, int] | None = None) -> dict[int, EmpiricalGaps]:
+        """The distributions of the chat and agent queues from their raw gaps (``Arrivals.raw_gaps``; each queue's
+        first ``used`` when given) under ``params``' log-normal constants."""
+        ln = _lognormal_params(params)
+        for k, q in enumerate((CH, AG)):
+            n = len(raw[q]) if used is None else used[k]
+            gaps = np.frombuffer(raw[q], dtype=np.float64)[:n] if n else np.zeros(0)
+            mu, sigma = ln[q]
+            e = self._built.get(q)
+            if e is None or (e.n, e.mu, e.sigma) != (gaps.size, mu, sigma):
+                counts = self._counts.get(q)
+                if counts is None or counts.n > gaps.size:
+                    counts = self._counts[q] = GapCounts()
+                e = self._built[q] = EmpiricalGaps(counts.extend_to(gaps), mu, sigma, EMPIRICAL_PRIOR)
+        return dict(self._built)
 
 
 def gap_models(params: dict[str, float], lognormal: bool = True) -> dict[int, LognormalGaps]:
