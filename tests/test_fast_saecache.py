@@ -11,6 +11,7 @@ run fall back to the Python engine with the reason.
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 from unittest.mock import patch
 
@@ -26,7 +27,7 @@ from sae_env.cache import PrefixCache
 from sae_env.fast_engine import saecache as fast_sae
 from sae_env.fast_engine import treap
 from sae_env.fast_engine.twin import twin_class
-from sae_env.policies import arrivals, make_policy, saecache
+from sae_env.policies import arrivals, make_policy, saecache, survival
 from sae_env.policies.continuation import ContinuationModel
 from sae_env.replay import Replay
 from sae_env.serving import make_server
@@ -42,9 +43,10 @@ FREE = ("type_weights", "adaptive_alpha", "multi_queue", "continuation", "contin
 # The ranking clock's step (clock_step): the default's, none (the exact clock) and a coarse one, where many arrivals
 # share a step.
 CLOCK_STEPS = st.sampled_from([saecache.CLOCK_STEP, 0.0, 0.125])
-# empirical_gaps (the density's gap tables) is not the paper's ranking's: drawn here only.
-switches = st.fixed_dictionaries({}, optional={**{k: st.booleans() for k in (*FREE, "empirical_gaps")},
-                                               "clock_step": CLOCK_STEPS})
+# empirical_gaps and gap_mixture (the density's gap tables; one at most) are not the paper's ranking's: drawn here only.
+switches = st.fixed_dictionaries({}, optional={**{k: st.booleans() for k in (*FREE, "empirical_gaps", "gap_mixture")},
+                                               "clock_step": CLOCK_STEPS}).map(
+    lambda d: {**d, "gap_mixture": False} if d.get("empirical_gaps") else d)
 # The paper's ranking (saecache-paper: density off, sampled structural groups, position decay on) and its switches.
 paper_switches = st.fixed_dictionaries({}, optional={**{k: st.booleans() for k in (*FREE, "position_decay")},
                                                      "sample": st.sampled_from([1, 2, 8]), "clock_step": CLOCK_STEPS})
@@ -285,34 +287,58 @@ def test_session_traces_agree_with_rebin(trace, capacity, window, ghosts, output
     assert_same_windows(py, fast)
 
 
-# empirical_gaps (SAECachePolicy._empirical_gaps): at every refit the twin builds the gap tables from the gaps the
-# arrivals completed so far, a row each, and the kernel's scores read the row of the last refit.
+# empirical_gaps and gap_mixture (SAECachePolicy._empirical_gaps): at every refit the twin builds the gap tables from
+# the gaps the arrivals completed so far, a row each (a mark where gap_mixture keeps the log-normal), and the kernel's
+# scores read the row of the last refit.
 EMPIRICAL = {"empirical_gaps": True}
+MIXTURE = {"gap_mixture": True}
+SHAPES = pytest.mark.parametrize("shape", [EMPIRICAL, MIXTURE], ids=["empirical_gaps", "gap_mixture"])
 
 
+def _one_shape(options: dict, shape: dict) -> dict:
+    """``options`` with ``shape`` as its only gap shape."""
+    return {**{k: v for k, v in options.items() if k not in ("empirical_gaps", "gap_mixture")}, **shape}
+
+
+@contextlib.contextmanager
+def mixtures_taken():
+    """gap_mixture fitted from 3 gaps on and always taken (BIC's penalty patched away): short traces rank by it."""
+    with patch.object(survival, "MIXTURE_MIN_GAPS", 3), patch.object(survival, "MIXTURE_EXTRA_PARAMETERS", -1e9):
+        yield
+
+
+@SHAPES
 @settings(max_examples=40, deadline=None, report_multiple_bugs=False)
 @given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 7),
        ghosts=st.sampled_from([None, 0, 2]), outputs=st.booleans(), timed=st.booleans(), options=switches,
-       rebin=st.booleans())
-def test_session_traces_agree_with_empirical_gaps(trace, capacity, window, ghosts, outputs, timed, options, rebin):
+       rebin=st.booleans(), taken=st.booleans())
+def test_session_traces_agree_with_empirical_gaps(shape, trace, capacity, window, ghosts, outputs, timed, options,
+                                                  rebin, taken):
     """A refit every 3 arrivals, so that these short traces rebuild the tables many times, instant and timed, with
-    rebin or without (the twin's arrivals then run in pieces that end at every refit)."""
-    with refit_every_3():
+    rebin or without (the twin's arrivals then run in pieces that end at every refit); the mixture taken whenever it
+    can be fitted, or as BIC chooses (then mostly the log-normal's mark)."""
+    with refit_every_3(), (mixtures_taken() if taken else contextlib.nullcontext()):
         py, fast = both(trace, capacity, {"preset": SERVER, "token_budget": 16} if timed else None,
-                        options={**options, **EMPIRICAL, **(REBIN if rebin else {})}, window_requests=window,
+                        options={**_one_shape(options, shape), **(REBIN if rebin else {})}, window_requests=window,
                         ghost_capacity=ghosts, cache_outputs=outputs)
     assert_same_windows(py, fast)
 
 
+@SHAPES
 @pytest.mark.parametrize("trace_name", ["mooncake_synthetic", "wildchat", "taubench"])
-def test_embedded_real_traces_agree_with_empirical_gaps(trace_name):
-    """Real gaps (recorded on Mooncake, drawn on the others) and the refits as shipped: the same hits and victims."""
+def test_embedded_real_traces_agree_with_empirical_gaps(shape, trace_name):
+    """Real gaps (recorded on Mooncake, drawn on the others) and the refits as shipped: the same hits and victims
+    (gap_mixture: a mixture on mooncake_synthetic and tau-bench, the log-normal on WildChat, by the end)."""
     trace = real(trace_name, 1500)
     for fraction in (0.02, 0.1):
-        py, fast = both(trace, max(1, int(fraction * trace.distinct_blocks())), options=EMPIRICAL,
+        py, fast = both(trace, max(1, int(fraction * trace.distinct_blocks())), options=shape,
                         window_requests=200)
         assert_same_windows(py, fast)
     assert len(py.policy.arrivals.raw_gaps[saecache.CH]) + len(py.policy.arrivals.raw_gaps[saecache.AG]) > 100
+    if shape is MIXTURE:
+        mixed = isinstance(py.policy._gaps[saecache.CH], survival.MixtureGaps) or \
+            isinstance(py.policy._gaps[saecache.AG], survival.MixtureGaps)
+        assert mixed == (trace_name != "wildchat")
 
 
 @settings(max_examples=40, deadline=None)
@@ -414,15 +440,17 @@ def test_timed_hand_over_both_ways_after_any_window(trace, capacity, window, sto
     hand_over(ref, moved, stops, contract_state, timed=True)
 
 
-@pytest.mark.parametrize("extra", [REBIN, EMPIRICAL], ids=["rebin", "empirical_gaps"])
+@pytest.mark.parametrize("extra", [REBIN, EMPIRICAL, MIXTURE], ids=["rebin", "empirical_gaps", "gap_mixture"])
 @settings(max_examples=30, deadline=None, report_multiple_bugs=False)
 @given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 6),
        stops=st.lists(st.integers(0, 8), min_size=1, max_size=3), options=switches)
 def test_hand_over_both_ways_with_refit_state(extra, trace, capacity, window, stops, options):
     """What a refit leaves moves both ways: under rebin each block's releasing request and the bins of the last
-    rebinning; under empirical_gaps the gaps each queue's table rests on (empirical_used)."""
-    with refit_every_3():
-        hand_over_policy("saecache", trace, capacity, window, stops, {**options, **extra})
+    rebinning; under empirical_gaps and gap_mixture the gaps each queue's table rests on (empirical_used), and the
+    mixture's prior (mixture_prior)."""
+    with refit_every_3(), mixtures_taken():
+        hand_over_policy("saecache", trace, capacity, window, stops,
+                         _one_shape(options, extra) if extra is not REBIN else {**options, **extra})
 
 
 def test_hand_over_on_a_real_trace():

@@ -909,9 +909,9 @@ def test_structural_gap_stats_match_the_trace():
     assert got[2] == pytest.approx(sum(x * x for x in lg), rel=1e-9)
 
 
-@pytest.mark.parametrize("timed,rebin,empirical", [(False, False, False), (True, False, False), (False, True, False),
-                                                  (False, False, True)])
-def test_decisions_never_read_the_future(timed, rebin, empirical):
+@pytest.mark.parametrize("timed,rebin,shape", [(False, False, None), (True, False, None), (False, True, None),
+                                               (False, False, "empirical_gaps"), (False, False, "gap_mixture")])
+def test_decisions_never_read_the_future(timed, rebin, shape):
     """The default policy with its online learners, on the trace and on the trace cut after request k: the same hits
     for every request before k (and, in instant mode, the same victims). Nothing a decision uses may come from a
     later request: not the continuation model, the turnover time, the learners, nor anything bind() precomputes."""
@@ -921,7 +921,7 @@ def test_decisions_never_read_the_future(timed, rebin, empirical):
     cap = max(1, int(0.05 * trace.distinct_blocks()))
 
     def replay(tr):
-        policy = SAECachePolicy(rebin=rebin, empirical_gaps=empirical)
+        policy = SAECachePolicy(rebin=rebin, **({shape: True} if shape else {}))
         victims = record_victims(policy)
         r = Replay(tr, PrefixCache(cap, policy), make_server(SERVER) if timed else None, window_requests=25,
                    callbacks=[SAEOnlineLearner().callback()])
@@ -976,15 +976,18 @@ def _imported(cls, state, bound):
 # 7. rebin: blocks follow their request's current continuation bin
 
 @pytest.mark.parametrize("switch,needs", [("rebin", ("continuation", "density")),
-                                          ("empirical_gaps", ("density", "lognormal"))])
+                                          ("empirical_gaps", ("density", "lognormal")),
+                                          ("gap_mixture", ("density", "lognormal"))])
 def test_a_switch_needs_what_it_builds_on(switch, needs):
-    """rebin moves blocks between continuation bins (the model's, under the density); empirical_gaps reshapes the
-    density's gap distribution, with the log-normal as its prior."""
+    """rebin moves blocks between continuation bins (the model's, under the density); empirical_gaps and gap_mixture
+    reshape the density's gap distribution, with the log-normal as the prior, and exclude each other."""
     for off in needs:
         with pytest.raises(ValueError, match=switch):
             SAECachePolicy(**{switch: True, off: False})
     with pytest.raises(ValueError, match=f"{switch} must be true or false"):
         make_policy("saecache", **{switch: "yes"})
+    with pytest.raises(ValueError, match="choose one"):
+        SAECachePolicy(empirical_gaps=True, gap_mixture=True)
 
 
 def test_rebin_every_is_a_whole_number_of_refits():
@@ -1123,16 +1126,53 @@ def test_empirical_gaps_are_the_sessions_completed_gaps():
     assert plain.raw_gaps is None
 
 
+@pytest.mark.parametrize("shape", ["empirical_gaps", "gap_mixture"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=session_traces(max_requests=40), capacity=st.integers(1, 30), switches=switch_sets,
        predictor=predictors, timed=st.booleans())
-def test_empirical_gaps_keep_the_invariants(trace, capacity, switches, predictor, timed):
+def test_empirical_gaps_keep_the_invariants(shape, trace, capacity, switches, predictor, timed):
     """Refitting every third arrival (REFIT_EVERY patched) under random switches: check=True after every request and
     the audit at every eviction. Not strict about the chat and agent victims: an empirical density need not rise then
-    fall with idle time, so a group's oldest and newest blocks need not hold its least."""
-    from sae_env.policies import arrivals
+    fall with idle time, so a group's oldest and newest blocks need not hold its least. The mixture is fitted from 3
+    gaps on and always taken (BIC's penalty patched away), so that these short traces rank by it."""
+    from sae_env.policies import arrivals, survival
 
-    opts = {**options(switches, predictor, 8), "density": True, "lognormal": True, "empirical_gaps": True}
-    with patch.object(arrivals, "REFIT_EVERY", 3):
+    opts = {**options(switches, predictor, 8), "density": True, "lognormal": True, shape: True}
+    with patch.object(arrivals, "REFIT_EVERY", 3), patch.object(survival, "MIXTURE_MIN_GAPS", 3), \
+            patch.object(survival, "MIXTURE_EXTRA_PARAMETERS", -1e9):
         r, _ = run(trace, capacity, timed=timed, **opts)
     assert sum(w.requests for w in r.windows) == len(trace)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 9. gap_mixture: two log-normals where the gaps choose them
+
+def test_gap_mixture_ranks_by_the_mixture_the_gaps_choose():
+    """On mooncake_synthetic (recorded gaps with a fast-return mode) the chat queue ends ranked by a mixture fitted
+    on a count of its gaps the schedule gives, under the prior of its fit; on WildChat (gaps our generator draws from one
+    log-normal) by the learners' log-normal. The state carries the count and the prior, and a policy importing it
+    ranks by the same table."""
+    from sae_env.policies.survival import LognormalGaps, MixtureGaps, mixture_gaps_used
+    from sae_env.state import export_cache, import_cache
+
+    for name, kind in (("mooncake_synthetic", MixtureGaps), ("wildchat", LognormalGaps)):
+        trace = open_trace(name, None, {}, None)[0]
+        trace = trace.take(np.arange(min(1500, len(trace))))
+        policy = SAECachePolicy(gap_mixture=True)
+        r = Replay(trace, PrefixCache(max(1, int(0.05 * trace.distinct_blocks())), policy), window_requests=200)
+        r.run()
+        cache = r.to_python()
+        ranking = policy._gaps[CH]
+        assert isinstance(ranking, kind), name
+        n = len(policy.arrivals.raw_gaps[CH])
+        used = policy._shapes.used[0]  # at the last refit: a point of the schedule, some gaps ago
+        assert 0 < used == mixture_gaps_used(used, 0.5) <= n < used * 1.5 + 64
+        if kind is MixtureGaps:
+            assert ranking.n == policy._shapes.used[0] and ranking.weights.min() > 0.05
+            state, blocks = export_cache(cache)
+            pstate = policy.export_state({b.key: i for i, b in enumerate(blocks)})
+            assert pstate["mixture_prior"][0].tolist() == [ranking.mu, ranking.sigma]
+            copy = PrefixCache(cache.capacity, SAECachePolicy(gap_mixture=True))
+            copy.policy.bind(trace)
+            copy.policy.import_state(pstate, import_cache(copy, state))
+            assert np.array_equal(copy.policy._gaps[CH].table()[0], ranking.table()[0])

@@ -18,7 +18,7 @@ the parked / returned inner nodes) with a predictor and two switches off. These 
 The default ranking (continuation model, hit density) is pinned too, with its learners as ``train.py replay`` runs
 them: WildChat (instant and timed), the Mooncake synthetic trace, the heterogeneous preset, tau-bench timed, and the
 templated workload with the paper's multiplicative mechanisms switched back on (structural sampling under density);
-and the ``empirical_gaps`` switch on the Mooncake synthetic trace at 2 %.
+and the ``empirical_gaps`` and ``gap_mixture`` switches on the Mooncake synthetic trace at 2 %.
 
 If a change is *meant* to alter decisions, re-record with ``python tests/test_saecache_golden.py`` and say why in
 the commit message.
@@ -100,6 +100,9 @@ CASES = {
     # empirical_gaps (off by default): the chat queue's gap shape from the gaps completed so far, on recorded times
     "empirical_gaps_mooncake": (lambda: open_trace("mooncake_synthetic", None, {}, None)[0], 0.02, False, True,
                                 {"empirical_gaps": True}),
+    # gap_mixture (off by default): two log-normals where BIC prefers them, on recorded times
+    "gap_mixture_mooncake": (lambda: open_trace("mooncake_synthetic", None, {}, None)[0], 0.02, False, True,
+                             {"gap_mixture": True}),
 }
 
 
@@ -150,6 +153,8 @@ GOLDEN = {
         'victims': '8b2484fed8477a00', 'queue_hits': '2226917cb6d43d36', 'occupancy': [0, 0, 1300, 0]},
     'empirical_gaps_mooncake': {'hit_blocks': 10335, 'hits': '7dd9b31e82d174ec', 'evictions': 106751, 'bypasses': 0,
         'victims': '6e113207526795b1', 'queue_hits': 'e3f4531e98db9d9d', 'occupancy': [0, 35, 767, 0]},
+    'gap_mixture_mooncake': {'hit_blocks': 10139, 'hits': '613b9a62ffa238a1', 'evictions': 106947, 'bypasses': 0,
+        'victims': 'f6c17325d055bb4e', 'queue_hits': '37281eb3e135951c', 'occupancy': [0, 35, 767, 0]},
 }
 
 

@@ -9,6 +9,8 @@
 * The empirical gap distribution (``empirical_gaps``): the log-normal's density without gaps, its own definition with
   them (a numerical integral of its survival), the gaps' distribution once they outnumber the prior, and finite,
   non-negative densities for any gaps (hypothesis).
+* The two-log-normal mixture (``gap_mixture``): its fit recovers a mixture's components, BIC keeps one log-normal for
+  gaps drawn from one, its tabulated survival and density are the mixture's, and the refit schedule.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from sae_env.policies.survival import (
     ExponentialGaps,
     GapCounts,
     LognormalGaps,
+    MixtureGaps,
+    fit_gap_mixture,
+    mixture_gaps_used,
     alive_posterior,
     hit_density,
     lognormal_sf,
@@ -209,3 +214,94 @@ def test_gap_counts_are_the_sorted_gaps_search(chunks):
     if seen:
         with pytest.raises(ValueError, match="counted"):
             counts.extend_to(np.array(seen[:-1]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The two-log-normal mixture (SAECache's gap_mixture)
+
+def _mixture_sample(n: int, seed: int) -> np.ndarray:
+    """40 % fast returns LN(1, 0.8) (about 3 s), 60 % slow ones LN(4.5, 0.9) (about 90 s)."""
+    rng = np.random.default_rng(seed)
+    fast = rng.random(n) < 0.4
+    return np.exp(np.where(fast, rng.normal(1.0, 0.8, n), rng.normal(4.5, 0.9, n)))
+
+
+def test_gap_mixture_recovers_its_components():
+    """20,000 gaps of a known mixture, a prior (50 pseudo-gaps) off to one side: the components within the bins'
+    width (0.09 in ln g) and sampling error."""
+    fit = fit_gap_mixture(GapCounts().add(_mixture_sample(20_000, 0)), 3.0, 1.7, 50.0)
+    assert isinstance(fit, MixtureGaps) and fit.n == 20_000
+    order = np.argsort(fit.mus)
+    assert fit.weights[order] == pytest.approx([0.4, 0.6], abs=0.02)
+    assert fit.mus[order] == pytest.approx([1.0, 4.5], abs=0.05)
+    assert fit.sigmas[order] == pytest.approx([0.8, 0.9], abs=0.05)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_gap_mixture_keeps_one_log_normal_for_log_normal_gaps(seed):
+    """Gaps drawn from one log-normal (as WildChat's generator draws them): BIC keeps it, at any number of gaps; from
+    a mixture, it takes the mixture once the gaps say so, well before a thousand."""
+    rng = np.random.default_rng(seed)
+    one = np.exp(rng.normal(4.8, 0.94, 5000))
+    for n in (10, 100, 1000, 5000):
+        assert fit_gap_mixture(GapCounts().add(one[:n]), 4.8, 0.94, 50.0) is None, n
+    assert fit_gap_mixture(GapCounts().add(_mixture_sample(300, seed)), 3.0, 1.7, 50.0) is not None
+    assert fit_gap_mixture(GapCounts().add(_mixture_sample(2, seed)), 3.0, 1.7, 50.0) is None  # too few to fit
+
+
+def test_gap_mixture_table_is_the_mixture():
+    """The tabulated survival is the weighted sum of the components' at the grid points; between them, and in the
+    density, the grid's linear interpolation: the density against the closed form from the components' survivals and
+    tail means (LognormalGaps), within the interpolation's 1 %."""
+    w, m, sd = np.array([0.3, 0.7]), np.array([0.5, 4.0]), np.array([0.7, 1.1])
+    mix = MixtureGaps(w, m, sd, 3.0, 1.5, 123)
+    parts = [LognormalGaps(a, b) for a, b in zip(m, sd, strict=True)]
+
+    def sf(t: float) -> float:
+        return sum(x * c.sf(t) for x, c in zip(w, parts, strict=True))
+
+    def tail(t: float) -> float:  # E[G; G > t]
+        return sum(x * c._tail_mean(t) for x, c in zip(w, parts, strict=True))
+
+    surv, _ = mix.table()
+    k = np.searchsorted(EMPIRICAL_GRID, [0.1, 2.0, 60.0, 4000.0])
+    assert surv[k] == pytest.approx([sf(t) for t in EMPIRICAL_GRID[k]], rel=1e-12)
+    for dt in (0.2, 1.5, 20.0, 300.0):
+        for h in (1.0, 30.0, 600.0):
+            s_now, end = sf(dt), dt + h
+            alive_time = (tail(dt) - tail(end) + end * sf(end)) / s_now - dt
+            for p in (0.1, 0.7):
+                pi = alive_posterior(p, s_now)
+                want = pi * (s_now - sf(end)) / s_now / (pi * alive_time + (1 - pi) * h)
+                assert mix.density(p, dt, h) == pytest.approx(want, rel=1e-2), (dt, h, p)
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 10**7), growth=st.sampled_from([0.0, 0.1, 0.5, 1.0, 3.0]))
+def test_mixture_refit_schedule(n, growth):
+    """The gaps a mixture rests on: none below the first fit's 10, never more than there are, a point of the schedule
+    (each the previous times 1 + growth, rounded up), the last one reached; every count when growth is 0."""
+    m = mixture_gaps_used(n, growth)
+    if n < 10:
+        assert m == 0
+        return
+    assert 10 <= m <= n
+    if growth == 0:
+        assert m == n
+        return
+    points = [10]
+    while points[-1] <= n:
+        points.append(max(points[-1] + 1, math.ceil(points[-1] * (1 + growth))))
+    assert m == points[-2]
+    assert mixture_gaps_used(m, growth) == m  # a count the schedule gave is its own
+
+
+def test_gap_mixture_bad_input():
+    counts = GapCounts().add(_mixture_sample(100, 4))
+    for mu, sigma, prior in ((float("nan"), 1.0, 50.0), (3.0, 0.0, 50.0), (3.0, 1.0, 0.0)):
+        with pytest.raises(ValueError, match="gap mixture"):
+            fit_gap_mixture(counts, mu, sigma, prior)
+    with pytest.raises(ValueError, match="gap mixture"):
+        MixtureGaps(np.array([0.5, 0.6]), np.array([1.0, 2.0]), np.array([1.0, 1.0]), 3.0, 1.0, 10)
+    with pytest.raises(ValueError, match="gap mixture"):
+        MixtureGaps(np.array([0.5, 0.5]), np.array([1.0, 2.0]), np.array([1.0, -1.0]), 3.0, 1.0, 10)

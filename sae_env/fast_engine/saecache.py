@@ -25,7 +25,9 @@ far (survival.EmpiricalGaps). The twin runs the arrivals ahead in pieces that en
 collects the gaps the compiled arrivals count but do not keep (_record_gaps), and builds each refit's tables in
 numpy, a row of ``emp`` each; the kernel moves to the next row at each refit and scores chat and agent blocks by the
 same bisection and interpolation as EmpiricalGaps.density, bit for bit, with a lower bound that holds for any survival
-(such a density need not rise, then fall: see _emp_density).
+(such a density need not rise, then fall: see _emp_density). ``gap_mixture`` rides on the same rows: a mixture's
+survival is tabulated like an empirical one (survival.MixtureGaps), and a queue for which BIC kept one log-normal gets a
+row marked -1, where the kernel scores by the log-normal's closed form, as for the default.
 
 Victims. The Python policy keeps, per group (queue, type when typed, continuation bin, value bin under hit_value),
 its released leaves in a recency list and the blocks that became leaves later in returned-heaps, and scores three
@@ -120,6 +122,14 @@ SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_
     MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED, REBIN, COMPLETING, \
     RB_MARK, RB_NEXT, RB_FEAT, EMP, EMP_ROW = range(31)
 NOT_RELEASED = -2  # rebin: a slot's releasing request when none (-1: released before any completion)
+# gap_mixture: a queue's row of tables where BIC kept the learners' log-normal (its survival row starts below 0: the
+# kernel scores that queue by the log-normal's closed form, as the Python policy does)
+_LOGNORMAL_ROWS = (np.full(EMPIRICAL_GRID.size, -1.0), np.zeros(EMPIRICAL_GRID.size))
+
+
+def _shaped(switches: dict[str, bool]) -> bool:
+    """Whether the chat and agent queues rank by gap tables rebuilt at every refit (empirical_gaps, gap_mixture)."""
+    return switches["empirical_gaps"] or switches["gap_mixture"]
 # Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
 # structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity,
 # the position decay's power gamma, the ranking clock's step as a fraction of the horizon (clock_step).
@@ -458,8 +468,10 @@ def _score(ps, recf, g, s, now, until):
     p = ps.sf[PST] if q == ST else ps.slotp[g % N_GROUPS // GROUP_SLOT]
     horizon = ps.sf[HORIZON] if ps.si[HAS_HOR] else ps.sf[EXP_MEAN_CH]
     if ps.si[EMP] and (q == CH or q == AG):  # an empirical density need not rise, then fall: its own bound
-        f, lb = _emp_density(ps.emp, 1 + 4 * ps.si[EMP_ROW] + 2 * (q - CH), p, dt, horizon, dt_b)
-        return ps.coef[code] * f, ps.coef[code] * lb
+        r = 1 + 4 * ps.si[EMP_ROW] + 2 * (q - CH)
+        if ps.emp[r, 0] >= 0.0:  # (gap_mixture: -1 where BIC kept one log-normal, scored below)
+            f, lb = _emp_density(ps.emp, r, p, dt, horizon, dt_b)
+            return ps.coef[code] * f, ps.coef[code] * lb
     gp = ps.gaps
     f, lb = density_and_bound(gp[q, 0], gp[q, 1], gp[q, 2], gp[q, 3], p, dt, horizon, dt_b)
     return ps.coef[code] * f, ps.coef[code] * lb
@@ -983,7 +995,7 @@ class SAECacheTwin(Twin):
         cand_now, cand_ok = _opt(state["cand_now"])
         sampled = not sw["density"] or sw["position_decay"]  # as SAECachePolicy._st_sampled
         si = np.zeros(31, dtype=np.int64)
-        si[LAST_G], si[REBIN], si[COMPLETING], si[EMP] = -1, sw["rebin"], -1, sw["empirical_gaps"]
+        si[LAST_G], si[REBIN], si[COMPLETING], si[EMP] = -1, sw["rebin"], -1, _shaped(sw)
         si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
             TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, VALUED]] = [
             state["released"], state["next_up"], state["next_stamp"], state["deferred"], state["stale"], cand_ok,
@@ -1031,10 +1043,13 @@ class SAECacheTwin(Twin):
             self.state.offset[:n] = state["offset"]
         self.compiled = compiled(arrivals)  # the per-arrival state, as arrays (None: Python arrivals)
         self._constants()
-        self._emp_shapes = EmpiricalShapes()  # empirical_gaps: the twin's own, on its arrivals' raw gaps
-        if sw["empirical_gaps"]:  # the tables the policy ranked with when it exported its state
+        # empirical_gaps or gap_mixture: the twin's own, on its arrivals' raw gaps
+        self._emp_shapes = EmpiricalShapes(mixture=sw["gap_mixture"], growth=policy.refit_growth)
+        if _shaped(sw):  # the tables the policy ranked with when it exported its state
             used = state.get("empirical_used")
-            self._emp_now = self._emp_tables(None if used is None else (int(used[0]), int(used[1])))
+            prior = state.get("mixture_prior")
+            self._emp_now = self._emp_tables(None if used is None else (int(used[0]), int(used[1])),
+                                             None if prior is None else tuple(map(tuple, np.asarray(prior).tolist())))
         rec = core.rec
         queue, types = rec[:n, QUEUE], rec[:n, BTYPE]
         code = queue * _TYPES + (types if sw["type_weights"] else 0)
@@ -1088,7 +1103,7 @@ class SAECacheTwin(Twin):
         rebuilds the gap tables from the gaps completed so far, a row of emp each (row 0: those of the window's
         start)."""
         sw = self.policy.switches
-        rebin, empirical = sw["rebin"], sw["empirical_gaps"]
+        rebin, empirical = sw["rebin"], _shaped(sw)
         if not (rebin or empirical):
             self._arrive(a, b)
             return
@@ -1115,11 +1130,13 @@ class SAECacheTwin(Twin):
         if empirical:
             self._emp_rows(rows)
 
-    def _emp_tables(self, used: tuple[int, int] | None = None) -> tuple[list[np.ndarray], tuple[int, int]]:
-        """SAECachePolicy._empirical_gaps: the chat and agent tables (survival, integral; EmpiricalGaps.table) from the
-        gaps the arrivals completed so far (each queue's first ``used``), and how many each rests on."""
-        shapes = self._emp_shapes.update(self.arrivals.raw_gaps, self.policy.params, used)
-        return [*shapes[CH].table(), *shapes[AG].table()], (shapes[CH].n, shapes[AG].n)
+    def _emp_tables(self, used: tuple[int, int] | None = None, prior: Any = None) -> tuple[list[np.ndarray], Any, Any]:
+        """SAECachePolicy._empirical_gaps: the chat and agent tables (survival, integral; GridGaps.table, or the
+        log-normal's mark) from the gaps the arrivals completed so far (each queue's first ``used``, under ``prior``
+        when given: as a state had them), and how many each rests on and its prior (EmpiricalShapes.used, priors)."""
+        shapes = self._emp_shapes.update(self.arrivals.raw_gaps, self.policy.params, used, prior)
+        rows = [x for q in (CH, AG) for x in (shapes[q].table() if shapes[q] is not None else _LOGNORMAL_ROWS)]
+        return rows, self._emp_shapes.used, self._emp_shapes.priors
 
     def _emp_rows(self, rows: list[list[np.ndarray]]) -> None:
         """Write the window's rows of tables into emp (grown in doublings) and start at row 0."""
@@ -1203,8 +1220,8 @@ class SAECacheTwin(Twin):
                 **({"offset": np.where(queue == ST, ps.offset[:n], 0.0)} if self.policy.switches["position_decay"]
                    else {}),
                 **(self._rebin_state(n) if self.policy.switches["rebin"] else {}),
-                **({"empirical_used": np.array(self._emp_now[1], dtype=np.int64)}
-                   if self.policy.switches["empirical_gaps"] else {})}
+                **({"empirical_used": np.array(self._emp_now[1], dtype=np.int64), "mixture_prior": self._emp_now[2]}
+                   if _shaped(self.policy.switches) else {})}
 
     def _rebin_state(self, n: int) -> dict[str, np.ndarray]:
         ps = self.state
@@ -1221,7 +1238,7 @@ class SAECacheTwin(Twin):
 
     def params_changed(self) -> None:
         self._constants()
-        if self.policy.switches["empirical_gaps"]:  # SAECachePolicy.params_changed rebuilds them on every gap so far
+        if _shaped(self.policy.switches):  # SAECachePolicy.params_changed rebuilds them on every gap so far
             self._emp_now = self._emp_tables()
         # as Python: an inlined kernel called from Python is compiled afresh in every process (0.2 s; numba's
         # cache keeps only the functions it is asked to cache)

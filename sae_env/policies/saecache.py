@@ -69,7 +69,10 @@ continuation bin of the request that released it as the continuation model sees 
 it returns; off: a block keeps the bin the model gave its request at the request's arrival, when the model knew less),
 ``empirical_gaps`` (on: the chat and agent queues' hit density reads a gap distribution of the shape of the session
 gaps completed so far, with the learners' log-normal as a prior of ``EMPIRICAL_PRIOR`` pseudo-gaps, rebuilt at every
-refit: survival.EmpiricalGaps; the continuation model keeps the log-normal),
+refit: survival.EmpiricalGaps; the continuation model keeps the log-normal), ``gap_mixture`` (on: the same
+queues' hit density reads two log-normals mixed, fitted at every refit to the gaps completed so far with the
+learners' log-normal as the same prior, where BIC prefers them to one log-normal, the learners' log-normal otherwise:
+survival.fit_gap_mixture; not with ``empirical_gaps``),
 ``type_weights`` (off: w = 1), ``adaptive_alpha`` (off:
 alpha = 1), ``lognormal`` (off: exponential gaps), ``position_decay`` (off: no offset term), ``multi_queue`` (off: one
 temporal queue, no PE priority), ``predictor`` (the paper's ranking: off routes first requests by rule only; under the
@@ -116,7 +119,15 @@ from sae_env.policies.arrivals import (
     slot_p,
 )
 from sae_env.policies.base import EvictionPolicy, ParamSpec, block_array
-from sae_env.policies.survival import EmpiricalGaps, ExponentialGaps, GapCounts, LognormalGaps
+from sae_env.policies.survival import (
+    EmpiricalGaps,
+    ExponentialGaps,
+    GapCounts,
+    GridGaps,
+    LognormalGaps,
+    fit_gap_mixture,
+    mixture_gaps_used,
+)
 from sae_env.serving.hardware import GPUS, MODELS
 from sae_env.serving.roofline import RooflineCost
 from sae_env.trace import N_TOKEN_TYPES, TokenType, Trace
@@ -223,7 +234,7 @@ class SAECachePolicy(EvictionPolicy):
                  continuation: bool = True, density: bool = True, continuation_features: bool = True,
                  censoring: bool = True, timed_refit: bool = True, posterior_end: bool = True,
                  pe_routing: bool = False, hit_value: bool = False, rebin: bool = False,
-                 empirical_gaps: bool = False, continue_threshold: float = 0.5, sample: int = 8,
+                 empirical_gaps: bool = False, gap_mixture: bool = False, continue_threshold: float = 0.5, sample: int = 8,
                  min_dt: float = 1e-3, refit_steps: int = 2, refit_growth: float = 0.5,
                  value_context: float | None = None, clock_step: float = CLOCK_STEP, rebin_every: int = 1,
                  params: dict[str, float] | None = None) -> None:
@@ -240,7 +251,8 @@ class SAECachePolicy(EvictionPolicy):
                  "position_decay": position_decay, "multi_queue": multi_queue, "continuation": continuation,
                  "density": density, "continuation_features": continuation_features, "censoring": censoring,
                  "timed_refit": timed_refit, "posterior_end": posterior_end, "pe_routing": pe_routing,
-                 "hit_value": hit_value, "rebin": rebin, "empirical_gaps": empirical_gaps}
+                 "hit_value": hit_value, "rebin": rebin, "empirical_gaps": empirical_gaps,
+                 "gap_mixture": gap_mixture}
         for name, value in flags.items():  # bool("false") is True: a typo must not flip a switch on silently
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"saecache: {name} must be true or false, got {value!r}")
@@ -255,11 +267,16 @@ class SAECachePolicy(EvictionPolicy):
         if self._rebin and not (self._continuation and self._density):
             raise ValueError("saecache: rebin moves blocks between continuation bins, which exist only with the "
                              "continuation model and the hit density (continuation=True, density=True)")
-        self._empirical = self.switches["empirical_gaps"]
-        self._shapes = EmpiricalShapes()  # empirical_gaps: the chat and agent queues' distributions
-        if self._empirical and not (self._density and self.switches["lognormal"]):
-            raise ValueError("saecache: empirical_gaps shapes the hit density's gap distribution, with the log-normal "
-                             "as its prior: it needs density=True and lognormal=True")
+        # empirical_gaps or gap_mixture: the chat and agent queues' distributions are shaped by their gaps so far
+        self._empirical = self.switches["empirical_gaps"] or self.switches["gap_mixture"]
+        self.refit_growth = refit_growth  # (validated by the continuation model) gap_mixture's refit schedule too
+        self._shapes = EmpiricalShapes(mixture=gap_mixture, growth=refit_growth)
+        for name in ("empirical_gaps", "gap_mixture"):
+            if self.switches[name] and not (self._density and self.switches["lognormal"]):
+                raise ValueError(f"saecache: {name} shapes the hit density's gap distribution, with the log-normal "
+                                 f"as its prior: it needs density=True and lognormal=True")
+        if empirical_gaps and gap_mixture:
+            raise ValueError("saecache: empirical_gaps and gap_mixture are two shapes of the same gaps: choose one")
         # rebin: the request that last released each cached chat or agent block, and each such request's bin as the
         # continuation model saw it at the last rebinning (see _rebin_blocks)
         self._released_by: dict[Block, int] = {}
@@ -871,11 +888,13 @@ class SAECachePolicy(EvictionPolicy):
             self._empirical_gaps()
         self._changed()
 
-    def _empirical_gaps(self, used: tuple[int, int] | None = None) -> None:
-        """``empirical_gaps``: the chat and agent queues' gap distributions from the gaps completed so far (the first
-        ``used`` of each queue's, when given: as an exported state had them), with the learners' current log-normal
-        as the prior."""
-        self._gaps.update(self._shapes.update(self.arrivals.raw_gaps, self._params, used))
+    def _empirical_gaps(self, used: tuple[int, int] | None = None, prior: Any = None) -> None:
+        """``empirical_gaps`` or ``gap_mixture``: the chat and agent queues' gap distributions from the gaps completed
+        so far (the first ``used`` of each queue's, when given: as an exported state had them), with the learners'
+        current log-normal as the prior (and in its place where the mixture is not chosen); ``prior``: a state's
+        (EmpiricalShapes.priors)."""
+        for q, shape in self._shapes.update(self.arrivals.raw_gaps, self._params, used, prior).items():
+            self._gaps[q] = shape if shape is not None else LognormalGaps(*self._ln[q])
 
     def _rebin_blocks(self) -> None:
         """``rebin``: every evictable chat or agent block moves to the continuation bin of its releasing request as the
@@ -966,7 +985,8 @@ class SAECachePolicy(EvictionPolicy):
         if self.switches["position_decay"]:  # a structural block's relative offset (unused otherwise)
             out["offset"] = block_array(blocks, index, lambda b: b.pdata if b.queue == ST else None, np.float64)
         if self._empirical:  # the gaps the ranking's distributions were built from (each queue's first n)
-            out["empirical_used"] = np.array([self._gaps[CH].n, self._gaps[AG].n], dtype=np.int64)
+            out["empirical_used"] = np.array(self._shapes.used, dtype=np.int64)
+            out["mixture_prior"] = self._shapes.priors  # and the prior each was built with
         return out
 
     def import_state(self, state: dict[str, Any], blocks: list[Block]) -> None:
@@ -1014,9 +1034,10 @@ class SAECachePolicy(EvictionPolicy):
                                                        state["inflight_slot"].tolist(), strict=True)}
         self.arrivals.import_state(state)
         if self._empirical:  # the raw gaps are the state's now: counted again
-            self._shapes = EmpiricalShapes()
-            used = state.get("empirical_used")
-            self._empirical_gaps(None if used is None else (int(used[0]), int(used[1])))
+            self._shapes = EmpiricalShapes(mixture=self.switches["gap_mixture"], growth=self.refit_growth)
+            used, prior = state.get("empirical_used"), state.get("mixture_prior")
+            self._empirical_gaps(None if used is None else (int(used[0]), int(used[1])),
+                                 None if prior is None else tuple(map(tuple, np.asarray(prior).tolist())))
 
     def check_invariants(self) -> None:
         """Every unpinned block is in exactly one place: live in its group's list, valid in its group's
@@ -1074,32 +1095,53 @@ def _lognormal_params(params: dict[str, float]) -> dict[int, tuple[float, float]
 
 
 class EmpiricalShapes:
-    """``empirical_gaps``: the chat and agent queues' gap distributions (survival.EmpiricalGaps) from the gaps the
-    arrivals completed so far, with the log-normal of the current parameters as the prior. One for the policy, one for
-    the compiled twin: both rebuild a queue's distribution only when its gaps or its prior moved (the same floats
-    otherwise), from the gaps counted on the grid as they came. The raw gaps must only grow between calls; a caller
-    whose raw gaps are replaced (an imported state) starts a new one."""
+    """``empirical_gaps`` or ``gap_mixture``: the chat and agent queues' gap distributions from the gaps the arrivals
+    completed so far. ``empirical_gaps``: survival.EmpiricalGaps, with the log-normal of the current parameters as
+    the prior, rebuilt when its gaps or its prior moved (the same floats otherwise), from the gaps counted on the grid
+    as they came. ``gap_mixture``: survival.fit_gap_mixture on the first ``mixture_gaps_used(n, growth)`` gaps, refitted
+    when that count moves; None where BIC keeps one log-normal (the learners' current one ranks then). One for the
+    policy, one for the compiled twin. The raw gaps must only grow between calls; a caller whose raw gaps are replaced
+    (an imported state) starts a new one."""
 
-    def __init__(self) -> None:
-        self._built: dict[int, EmpiricalGaps] = {}
+    def __init__(self, mixture: bool = False, growth: float = 0.5) -> None:
+        self.mixture, self.growth = mixture, growth
+        self._built: dict[int, GridGaps | None] = {}
+        self._key: dict[int, tuple[int, float, float]] = {}  # what each was built from: (gaps, mu, sigma)
         self._counts: dict[int, GapCounts] = {}
+        self.used = (0, 0)  # the gaps the chat and agent distributions rest on
 
-    def update(self, raw: dict[int, Any], params: dict[str, float],
-               used: tuple[int, int] | None = None) -> dict[int, EmpiricalGaps]:
+    def update(self, raw: dict[int, Any], params: dict[str, float], used: tuple[int, int] | None = None,
+               prior: tuple[tuple[float, float], tuple[float, float]] | None = None) -> dict[int, GridGaps | None]:
         """The distributions of the chat and agent queues from their raw gaps (``Arrivals.raw_gaps``; each queue's
-        first ``used`` when given) under ``params``' log-normal constants."""
+        first ``used`` when given: the counts a state's distributions rested on) under ``params``' log-normal
+        constants (their prior; a state's mixtures' own ``prior`` when given, as :attr:`priors` had them)."""
         ln = _lognormal_params(params)
         for k, q in enumerate((CH, AG)):
             n = len(raw[q]) if used is None else used[k]
-            gaps = np.frombuffer(raw[q], dtype=np.float64)[:n] if n else np.zeros(0)
-            mu, sigma = ln[q]
-            e = self._built.get(q)
-            if e is None or (e.n, e.mu, e.sigma) != (gaps.size, mu, sigma):
+            if self.mixture:  # refitted only when its count of gaps moves, under the prior of that moment
+                if used is None:
+                    n = mixture_gaps_used(n, self.growth)
+                refit = self._key.get(q, (None,))[0] != n
+                key = (n, *(ln[q] if prior is None else prior[k])) if refit else self._key[q]
+            else:
+                key = (n, *ln[q])
+                refit = self._key.get(q) != key
+            if refit:
+                gaps = np.frombuffer(raw[q], dtype=np.float64)[:n] if n else np.zeros(0)
                 counts = self._counts.get(q)
                 if counts is None or counts.n > gaps.size:
                     counts = self._counts[q] = GapCounts()
-                e = self._built[q] = EmpiricalGaps(counts.extend_to(gaps), mu, sigma, EMPIRICAL_PRIOR)
+                counts.extend_to(gaps)
+                self._built[q] = (fit_gap_mixture(counts, key[1], key[2], EMPIRICAL_PRIOR) if self.mixture
+                                  else EmpiricalGaps(counts, key[1], key[2], EMPIRICAL_PRIOR))
+                self._key[q] = key
+        self.used = (self._key[CH][0], self._key[AG][0])
         return dict(self._built)
+
+    @property
+    def priors(self) -> np.ndarray:
+        """The prior ``(mu, sigma)`` each queue's distribution was built with, chat then agent (float64 [2, 2])."""
+        return np.array([self._key[CH][1:], self._key[AG][1:]], dtype=np.float64)
 
 
 def gap_models(params: dict[str, float], lognormal: bool = True) -> dict[int, LognormalGaps]:

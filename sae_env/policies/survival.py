@@ -28,10 +28,10 @@ import bisect
 import math
 
 import numpy as np
-from scipy.special import erfc
+from scipy.special import erfc, ndtri
 
-__all__ = ["EMPIRICAL_GRID", "EmpiricalGaps", "ExponentialGaps", "GapCounts", "LognormalGaps", "alive_posterior",
-           "hit_density", "lognormal_sf"]
+__all__ = ["EMPIRICAL_GRID", "EmpiricalGaps", "ExponentialGaps", "GapCounts", "GridGaps", "LognormalGaps",
+           "MixtureGaps", "alive_posterior", "fit_gap_mixture", "hit_density", "lognormal_sf", "mixture_gaps_used"]
 
 _SQRT2 = math.sqrt(2.0)
 _TINY = 1e-300
@@ -196,6 +196,11 @@ class GapCounts:
             raise ValueError(f"gap counts: {self.n} gaps counted, the sequence holds only {len(gaps)}")
         return self.add(gaps[self.n:])
 
+    def cells(self) -> np.ndarray:
+        """The gaps counted in each cell (int64; cell ``c``: ``grid[c - 1] < g <= grid[c]``, the last: past the grid;
+        read-only)."""
+        return self._cells
+
     def at_most(self) -> np.ndarray:
         """The gaps counted at most each grid point's idle time (int64, one per grid point)."""
         return np.cumsum(self._cells[:-1])
@@ -217,33 +222,22 @@ def _grid_lognormal_sf(mu: float, sigma: float) -> np.ndarray:
     return s
 
 
-class EmpiricalGaps:
-    """A gap distribution of the shape the gaps completed so far have, with a log-normal prior (the
-    ``empirical_gaps`` switch of SAECache): ``F = (n F_n + n0 F_LN) / (n + n0)``, ``F_n`` the empirical distribution
-    of the ``n`` gaps, ``F_LN`` the log-normal ``LN(mu, sigma)`` weighed as ``n0`` pseudo-gaps (the online learners
-    fit ``(mu, sigma)`` with the same prior size). The log-normal's hazard rises from 0 before it falls; recorded gaps
-    need not (on mooncake_synthetic the hazard of a block's reuse falls from the first second), and at a small cache,
-    whose turnover is seconds, the short end decides which blocks go.
-
-    Kept as its survival and the survival's integral at :data:`EMPIRICAL_GRID`, linear in between; beyond the grid,
-    flat. :meth:`density` has the formula of :meth:`LognormalGaps.density` (module docstring) with these. Unlike the
-    log-normal's, this density need not rise then fall with idle time: a scan that scores a group's oldest and newest
-    blocks (SAECache's) finds the least of those two, not always the least of the group."""
+class GridGaps:
+    """A gap distribution kept as its survival and the survival's integral at :data:`EMPIRICAL_GRID`, linear in between;
+    beyond the grid, flat. :meth:`density` has the formula of :meth:`LognormalGaps.density` (module docstring) with
+    these. Unlike the log-normal's, such a density need not rise then fall with idle time: a scan that scores a group's
+    oldest and newest blocks (SAECache's) finds the least of those two, not always the least of the group. Built by
+    :class:`EmpiricalGaps` and :class:`MixtureGaps`; ``mu``, ``sigma``: the learners' log-normal it was built with
+    (its prior), ``n``: the gaps it rests on."""
 
     __slots__ = ("mu", "sigma", "n", "_table", "_lists")
 
-    def __init__(self, gaps: np.ndarray | GapCounts, mu: float, sigma: float, prior: float):
-        if not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
-            raise ValueError(f"empirical gaps need a finite mu and sigma > 0 for their prior, got ({mu}, {sigma})")
-        if not (prior > 0 and math.isfinite(prior)):
-            raise ValueError(f"empirical gaps need a positive prior weight, got {prior}")
-        if not isinstance(gaps, GapCounts):
-            gaps = GapCounts().add(gaps)
-        n, at_most = gaps.n, gaps.at_most()  # the gaps at most each grid point's idle time
-        self.mu, self.sigma, self.n = float(mu), float(sigma), n
+    def __init__(self, survival: np.ndarray, mu: float, sigma: float, n: int):
         grid = EMPIRICAL_GRID
-        f_emp = at_most / max(n, 1)
-        s = 1.0 - (n * f_emp + prior * (1.0 - _grid_lognormal_sf(self.mu, self.sigma))) / (n + prior)
+        s = np.asarray(survival, dtype=np.float64)
+        if s.shape != grid.shape:
+            raise ValueError(f"a gap survival on the grid needs {grid.size} points, got shape {s.shape}")
+        self.mu, self.sigma, self.n = float(mu), float(sigma), int(n)
         cum = np.zeros(grid.size)
         cum[1:] = np.cumsum(0.5 * (s[1:] + s[:-1]) * np.diff(grid))
         self._table = (s, cum)
@@ -285,3 +279,130 @@ class EmpiricalGaps:
         hit = pi * (s_now - s_end) / s_now
         held = pi * max((c_end - c_now) / s_now, 0.0) + (1.0 - pi) * horizon
         return hit / held if held > 0.0 else 0.0
+
+
+class EmpiricalGaps(GridGaps):
+    """A gap distribution of the shape the gaps completed so far have, with a log-normal prior (the
+    ``empirical_gaps`` switch of SAECache): ``F = (n F_n + n0 F_LN) / (n + n0)``, ``F_n`` the empirical distribution
+    of the ``n`` gaps, ``F_LN`` the log-normal ``LN(mu, sigma)`` weighed as ``n0`` pseudo-gaps (the online learners
+    fit ``(mu, sigma)`` with the same prior size). The log-normal's hazard rises from 0 before it falls; recorded gaps
+    need not (on mooncake_synthetic the hazard of a block's reuse falls from the first second), and at a small cache,
+    whose turnover is seconds, the short end decides which blocks go."""
+
+    __slots__ = ()
+
+    def __init__(self, gaps: np.ndarray | GapCounts, mu: float, sigma: float, prior: float):
+        if not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
+            raise ValueError(f"empirical gaps need a finite mu and sigma > 0 for their prior, got ({mu}, {sigma})")
+        if not (prior > 0 and math.isfinite(prior)):
+            raise ValueError(f"empirical gaps need a positive prior weight, got {prior}")
+        if not isinstance(gaps, GapCounts):
+            gaps = GapCounts().add(gaps)
+        n, at_most = gaps.n, gaps.at_most()  # the gaps at most each grid point's idle time
+        f_emp = at_most / max(n, 1)
+        s = 1.0 - (n * f_emp + prior * (1.0 - _grid_lognormal_sf(float(mu), float(sigma)))) / (n + prior)
+        super().__init__(s, mu, sigma, n)
+
+
+# A gap mixture's EM runs over the gaps binned 20 grid cells wide (0.092 in ln g: a tenth of the narrowest sigma the
+# traces show), at most 202 weighted points whatever the number of gaps.
+_BIN_CELLS = 20
+_LOG_STEP = math.log(EMPIRICAL_GRID[2] / EMPIRICAL_GRID[1])
+_CELL_LOG = math.log(EMPIRICAL_GRID[1]) + (np.arange(EMPIRICAL_GRID.size + 1) - 1.5) * _LOG_STEP  # ln g, cell middles
+_CELL_BIN = np.minimum(np.maximum(np.arange(EMPIRICAL_GRID.size + 1) - 1, 0) // _BIN_CELLS,
+                       (EMPIRICAL_GRID.size - 1) // _BIN_CELLS)
+_CELL_BIN[-1] += 1  # past the grid: a bin of its own
+# The log-normal prior as pseudo-gaps: 32 equal-weight quantiles of N(0, 1), moved to (mu, sigma).
+_QUANTILES = ndtri((np.arange(32) + 0.5) / 32)
+MIXTURE_ITERATIONS = 30  # EM steps, a fixed number: the same fit from the same gaps, whichever engine asks
+MIXTURE_EXTRA_PARAMETERS = 3  # BIC's count: a weight, a mean and a sigma more than one log-normal
+_MIN_SIGMA = 0.1  # a component narrower than this in ln g would fit the bins' width, not the gaps
+
+
+class MixtureGaps(GridGaps):
+    """Two log-normals mixed, ``S = w_1 S_1 + w_2 S_2`` (the ``gap_mixture`` switch of SAECache): gaps of two kinds,
+    a fast return (a user who reads and replies, a tool call) and a slow one, which one log-normal cannot hold. Its
+    density falls from the first seconds where a fast component sits there. Kept on the grid like
+    :class:`EmpiricalGaps` (the same density and compiled scoring); ``weights``, ``mus``, ``sigmas``: the components;
+    ``mu``, ``sigma``: the fit's prior."""
+
+    __slots__ = ("weights", "mus", "sigmas")
+
+    def __init__(self, weights: np.ndarray, mus: np.ndarray, sigmas: np.ndarray, mu: float, sigma: float, n: int):
+        w, m, sd = (np.asarray(x, dtype=np.float64) for x in (weights, mus, sigmas))
+        if not (w.shape == m.shape == sd.shape and w.ndim == 1 and np.all(np.isfinite(m)) and np.all(sd > 0)
+                and np.all(w >= 0) and abs(w.sum() - 1.0) < 1e-9):
+            raise ValueError(f"a gap mixture needs weights summing to 1, finite mus and positive sigmas, got {w}, {m}, "
+                             f"{sd}")
+        self.weights, self.mus, self.sigmas = w, m, sd
+        surv = np.ones(EMPIRICAL_GRID.size)
+        logs = np.log(EMPIRICAL_GRID[1:])
+        surv[1:] = sum(wk * 0.5 * erfc((logs - mk) / (sk * _SQRT2)) for wk, mk, sk in zip(w, m, sd, strict=True))
+        super().__init__(surv, mu, sigma, n)
+
+
+MIXTURE_MIN_GAPS = 10  # the first fit waits for as many gaps as the online learners' first refit of (mu, sigma)
+
+
+def mixture_gaps_used(n: int, growth: float) -> int:
+    """How many of a queue's first ``n`` gaps its mixture rests on: the largest of ``MIXTURE_MIN_GAPS``, then each
+    previous one times ``1 + growth`` rounded up, that is at most ``n`` (0 below the first; ``n`` itself when
+    ``growth`` is 0). A fit costs a few hundred microseconds: refitting at geometric steps bounds their number by the
+    logarithm of the gaps, as the continuation model's ``refit_growth`` does its refits, and the fit is a function of
+    the gaps alone, so that a state's raw gaps and this count give it back."""
+    if n < MIXTURE_MIN_GAPS:
+        return 0
+    if growth <= 0:
+        return n
+    m = MIXTURE_MIN_GAPS
+    while True:
+        nxt = max(m + 1, math.ceil(m * (1.0 + growth)))
+        if nxt > n:
+            return m
+        m = nxt
+
+
+def fit_gap_mixture(gaps: GapCounts, mu: float, sigma: float, prior: float) -> MixtureGaps | None:
+    """Two log-normals fitted to ``gaps`` (binned in ln g), with ``LN(mu, sigma)`` (the online learners') as ``prior``
+    pseudo-gaps, by :data:`MIXTURE_ITERATIONS` EM steps from components at ``mu -/+ 0.6 sigma`` of width
+    ``0.75 sigma``; None unless the gaps choose it over one log-normal by BIC (twice the gain in log-likelihood over
+    the single log-normal's maximum, both on the gaps alone, above ``3 ln n``: three parameters more), as they seldom
+    do when drawn from one log-normal."""
+    if not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0 and prior > 0 and math.isfinite(prior)):
+        raise ValueError(f"a gap mixture needs a finite mu, sigma > 0 and a positive prior weight, got ({mu}, {sigma}, "
+                         f"{prior})")
+    n = gaps.n
+    if n < 3:
+        return None
+    cells = gaps.cells()
+    count = np.bincount(_CELL_BIN, weights=cells)
+    held = count > 0
+    c = count[held]
+    x = np.bincount(_CELL_BIN, weights=cells * _CELL_LOG)[held] / c  # each bin's mean ln g (its cells' middles)
+    xs = np.concatenate([x, mu + sigma * _QUANTILES])
+    ws = np.concatenate([c, np.full(_QUANTILES.size, prior / _QUANTILES.size)])
+    total, sx, sxx = float(ws.sum()), float(ws @ xs), float(ws @ (xs * xs))
+    m1, m2, s1, s2, w1 = mu - 0.6 * sigma, mu + 0.6 * sigma, 0.75 * sigma, 0.75 * sigma, 0.5
+    floor = _MIN_SIGMA * _MIN_SIGMA
+    for _ in range(MIXTURE_ITERATIONS):
+        z1, z2 = (xs - m1) / s1, (xs - m2) / s2
+        # each point's share of the first component, 1 / (1 + b / a), from ln(b / a): no underflow far out
+        r1 = ws / (1.0 + np.exp(np.minimum(0.5 * (z1 * z1 - z2 * z2) + math.log((1.0 - w1) * s1 / (w1 * s2)), 700.0)))
+        n1 = float(r1.sum())
+        n2 = total - n1
+        if not (n1 > _TINY and n2 > _TINY):  # one component took everything: one log-normal, then
+            return None
+        a1, a2 = float(r1 @ xs), float(r1 @ (xs * xs))
+        m1, m2 = a1 / n1, (sx - a1) / n2
+        s1, s2 = math.sqrt(max(a2 / n1 - m1 * m1, floor)), math.sqrt(max((sxx - a2) / n2 - m2 * m2, floor))
+        w1 = n1 / total
+    z1, z2 = (x - m1) / s1, (x - m2) / s2
+    mixed = float(c @ np.log(np.maximum(w1 / s1 * np.exp(-0.5 * z1 * z1) + (1.0 - w1) / s2 * np.exp(-0.5 * z2 * z2),
+                                        _TINY)))
+    mean = float(c @ x) / n
+    sd = max(math.sqrt(max(float(c @ (x * x)) / n - mean * mean, 0.0)), _MIN_SIGMA)
+    z = (x - mean) / sd
+    single = float(c @ (-math.log(sd) - 0.5 * z * z))
+    if 2.0 * (mixed - single) <= MIXTURE_EXTRA_PARAMETERS * math.log(n):
+        return None
+    return MixtureGaps(np.array([w1, 1.0 - w1]), np.array([m1, m2]), np.array([s1, s2]), mu, sigma, n)
