@@ -1149,30 +1149,63 @@ def test_empirical_gaps_keep_the_invariants(shape, trace, capacity, switches, pr
 
 def test_gap_mixture_ranks_by_the_mixture_the_gaps_choose():
     """On mooncake_synthetic (recorded gaps with a fast-return mode) the chat queue ends ranked by a mixture fitted
-    on a count of its gaps the schedule gives, under the prior of its fit; on WildChat (gaps our generator draws from one
-    log-normal) by the learners' log-normal. The state carries the count and the prior, and a policy importing it
-    ranks by the same table."""
+    on a count of its gaps the schedule gives; on WildChat (gaps our generator draws from one log-normal) by the
+    learners' log-normal."""
+    from agents.sae_online import SAEOnlineLearner
     from sae_env.policies.survival import LognormalGaps, MixtureGaps, mixture_gaps_used
-    from sae_env.state import export_cache, import_cache
 
     for name, kind in (("mooncake_synthetic", MixtureGaps), ("wildchat", LognormalGaps)):
         trace = open_trace(name, None, {}, None)[0]
         trace = trace.take(np.arange(min(1500, len(trace))))
         policy = SAECachePolicy(gap_mixture=True)
-        r = Replay(trace, PrefixCache(max(1, int(0.05 * trace.distinct_blocks())), policy), window_requests=200)
+        r = Replay(trace, PrefixCache(max(1, int(0.05 * trace.distinct_blocks())), policy), window_requests=200,
+                   callbacks=[SAEOnlineLearner().callback()])
         r.run()
-        cache = r.to_python()
+        r.to_python()
         ranking = policy._gaps[CH]
         assert isinstance(ranking, kind), name
         n = len(policy.arrivals.raw_gaps[CH])
         used = policy._shapes.used[0]  # at the last refit: a point of the schedule, some gaps ago
         assert 0 < used == mixture_gaps_used(used, 0.5) <= n < used * 1.5 + 64
         if kind is MixtureGaps:
-            assert ranking.n == policy._shapes.used[0] and ranking.weights.min() > 0.05
-            state, blocks = export_cache(cache)
-            pstate = policy.export_state({b.key: i for i, b in enumerate(blocks)})
-            assert pstate["mixture_prior"][0].tolist() == [ranking.mu, ranking.sigma]
-            copy = PrefixCache(cache.capacity, SAECachePolicy(gap_mixture=True))
-            copy.policy.bind(trace)
-            copy.policy.import_state(pstate, import_cache(copy, state))
-            assert np.array_equal(copy.policy._gaps[CH].table()[0], ranking.table()[0])
+            assert ranking.n == used and ranking.weights.min() > 0.05
+
+
+@pytest.mark.parametrize("engine", ["python", "fast"])
+def test_gap_mixture_state_carries_the_fit_prior(engine):
+    """A window's end where the learners have moved the log-normal since the chat mixture was fitted: the state
+    carries the count and the prior of the fit, and a policy importing it ranks by the same table (the compiled
+    engine's state, handed to the Python policy at every window, against a Python replay's)."""
+    from agents.sae_online import SAEOnlineLearner
+    from sae_env.policies.survival import MixtureGaps
+    from sae_env.state import export_cache, import_cache
+
+    trace = open_trace("mooncake_synthetic", None, {}, None)[0]
+    cap = max(1, int(0.05 * trace.distinct_blocks()))
+
+    def replay(engine: str) -> Replay:
+        return Replay(trace, PrefixCache(cap, SAECachePolicy(gap_mixture=True)), window_requests=100,
+                      callbacks=[SAEOnlineLearner().callback()], engine=engine)
+
+    ref, moved = replay("python"), replay(engine)
+    if engine == "fast" and moved.engine != "fast":
+        pytest.skip("no compiled engine here")
+    policy = ref.policy
+    while not ref.done:
+        ref.step()
+        moved.step()
+        ranking = policy._gaps[CH]
+        if isinstance(ranking, MixtureGaps) and (ranking.mu, ranking.sigma) != tuple(policy._ln[CH]):
+            break
+    else:
+        pytest.fail("the learners never moved the log-normal after a mixture fit")
+    cache = moved.to_python()
+    state, blocks = export_cache(cache)
+    pstate = cache.policy.export_state({b.key: i for i, b in enumerate(blocks)})
+    assert pstate["mixture_prior"][0].tolist() == [ranking.mu, ranking.sigma]
+    copy = PrefixCache(cache.capacity, SAECachePolicy(gap_mixture=True))
+    copy.policy.bind(trace)
+    copy.policy.set_params(cache.policy.params)
+    copy.policy.import_state(pstate, import_cache(copy, state))
+    for p in (cache.policy, copy.policy):
+        assert np.array_equal(p._gaps[CH].table()[0], ranking.table()[0])
