@@ -31,11 +31,11 @@ from sae_env.policies.survival import (
     GapCounts,
     LognormalGaps,
     MixtureGaps,
-    fit_gap_mixture,
-    mixture_gaps_used,
     alive_posterior,
+    fit_gap_mixture,
     hit_density,
     lognormal_sf,
+    mixture_gaps_used,
 )
 
 

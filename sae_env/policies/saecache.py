@@ -234,8 +234,8 @@ class SAECachePolicy(EvictionPolicy):
                  continuation: bool = True, density: bool = True, continuation_features: bool = True,
                  censoring: bool = True, timed_refit: bool = True, posterior_end: bool = True,
                  pe_routing: bool = False, hit_value: bool = False, rebin: bool = False,
-                 empirical_gaps: bool = False, gap_mixture: bool = False, continue_threshold: float = 0.5, sample: int = 8,
-                 min_dt: float = 1e-3, refit_steps: int = 2, refit_growth: float = 0.5,
+                 empirical_gaps: bool = False, gap_mixture: bool = False, continue_threshold: float = 0.5,
+                 sample: int = 8, min_dt: float = 1e-3, refit_steps: int = 2, refit_growth: float = 0.5,
                  value_context: float | None = None, clock_step: float = CLOCK_STEP, rebin_every: int = 1,
                  params: dict[str, float] | None = None) -> None:
         super().__init__()
