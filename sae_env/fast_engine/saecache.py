@@ -21,11 +21,12 @@ found from their groups' ranges of the treap, not among all slots). Each block k
 (``relby``); the bins of the last rebinning are the requests whose ``bmark`` is the current one.
 
 Under ``empirical_gaps`` each refit rebuilds the chat and agent queues' gap distributions from the gaps completed so
-far (survival.EmpiricalGaps). The twin runs the arrivals ahead in pieces that end at each refit (as for rebin),
-collects the gaps the compiled arrivals count but do not keep (_record_gaps), and builds each refit's tables in
-numpy, a row of ``emp`` each; the kernel moves to the next row at each refit and scores chat and agent blocks by the
-same bisection and interpolation as EmpiricalGaps.density, bit for bit, with a lower bound that holds for any survival
-(such a density need not rise, then fall: see _emp_density). ``gap_mixture`` rides on the same rows: a mixture's
+far (survival.EmpiricalGaps). The twin runs the window's arrivals ahead (in pieces that end at each refit under
+rebin), collects the gaps the compiled arrivals count but do not keep, with how many there are after each request
+(_record_gaps), and builds each refit's tables in numpy from the gaps up to it, a row of ``emp`` each; the kernel
+moves to the next row at each refit and scores chat and agent blocks by the same bisection and interpolation as
+EmpiricalGaps.density, bit for bit, with a lower bound that holds for any survival (such a density need not rise,
+then fall: see _emp_density). ``gap_mixture`` rides on the same rows: a mixture's
 survival is tabulated like an empirical one (survival.MixtureGaps), and a queue for which BIC kept one log-normal gets a
 row marked -1, where the kernel scores by the log-normal's closed form, as for the default.
 
@@ -1097,17 +1098,28 @@ class SAECacheTwin(Twin):
                 "rbr": np.zeros((rows, model.rates.size)), "rbb": np.zeros((rows, model.beta.size))}
 
     def prepare(self, a: int, b: int) -> None:
-        """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring). Under rebin or
-        empirical_gaps, in pieces that end at each refit they act on: at a rebinning refit the model's rates and beta
-        are kept for the kernel (rbr, rbb) and the request is flagged REBIN_AT; under empirical_gaps every refit
-        rebuilds the gap tables from the gaps completed so far, a row of emp each (row 0: those of the window's
-        start)."""
+        """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring). Under rebin, in pieces
+        that end at each refit they act on: at a rebinning refit the model's rates and beta are kept for the kernel
+        (rbr, rbb) and the request is flagged REBIN_AT. Under empirical_gaps or gap_mixture every refit rebuilds the
+        gap tables from the gaps completed so far, a row of emp each (row 0: those of the window's start); without
+        rebin they come from the gaps counted per request after the window's arrivals, in one piece."""
         sw = self.policy.switches
         rebin, empirical = sw["rebin"], _shaped(sw)
         if not (rebin or empirical):
             self._arrive(a, b)
             return
         ps = self.state
+        if not rebin:
+            # The tables rest on the gaps completed by each refit and on the window's parameters alone (they move
+            # between windows): the arrivals run in one piece, counting the gaps each request completes, and each
+            # refit's tables are built after them from those counts.
+            counts = self._arrive(a, b, True)
+            rows = [self._emp_now[0]]
+            for j in np.flatnonzero(ps.req[R_FLAGS, a:b] & REFIT).tolist():
+                self._emp_now = self._emp_tables(upto=(int(counts[0, j]), int(counts[1, j])))
+                rows.append(self._emp_now[0])
+            self._emp_rows(rows)
+            return
         done = self.compiled.state.ai[ARRIVALS] if self.compiled is not None else self.arrivals.arrivals
         every = REFIT_EVERY * (1 if empirical else self.policy.rebin_every)
         ps.si[RB_NEXT] = 0
@@ -1130,11 +1142,13 @@ class SAECacheTwin(Twin):
         if empirical:
             self._emp_rows(rows)
 
-    def _emp_tables(self, used: tuple[int, int] | None = None, prior: Any = None) -> tuple[list[np.ndarray], Any, Any]:
+    def _emp_tables(self, used: tuple[int, int] | None = None, prior: Any = None,
+                    upto: tuple[int, int] | None = None) -> tuple[list[np.ndarray], Any, Any]:
         """SAECachePolicy._empirical_gaps: the chat and agent tables (survival, integral; GridGaps.table, or the
-        log-normal's mark) from the gaps the arrivals completed so far (each queue's first ``used``, under ``prior``
-        when given: as a state had them), and how many each rests on and its prior (EmpiricalShapes.used, priors)."""
-        shapes = self._emp_shapes.update(self.arrivals.raw_gaps, self.policy.params, used, prior)
+        log-normal's mark) from the gaps the arrivals completed so far (each queue's first ``upto``: so far as of an
+        earlier arrival; or its first ``used``, under ``prior`` when given: as a state had them), and how many each
+        rests on and its prior (EmpiricalShapes.used, priors)."""
+        shapes = self._emp_shapes.update(self.arrivals.raw_gaps, self.policy.params, used, prior, upto)
         rows = [x for q in (CH, AG) for x in (shapes[q].table() if shapes[q] is not None else _LOGNORMAL_ROWS)]
         return rows, self._emp_shapes.used, self._emp_shapes.priors
 
@@ -1150,9 +1164,10 @@ class SAECacheTwin(Twin):
             ps.emp[1 + 4 * r:5 + 4 * r] = tables
         ps.si[EMP_ROW] = 0
 
-    def _arrive(self, a: int, b: int, gaps: bool = False) -> None:
-        """Requests ``a .. b-1`` arrive; with ``gaps`` (empirical_gaps), the chat and agent gaps they complete join
-        the arrivals' raw gaps (the Python arrivals keep them themselves)."""
+    def _arrive(self, a: int, b: int, gaps: bool = False) -> np.ndarray | None:
+        """Requests ``a .. b-1`` arrive; with ``gaps`` (empirical_gaps, gap_mixture), the chat and agent gaps they
+        complete join the arrivals' raw gaps (the Python arrivals keep them themselves), and the chat and agent raw
+        gaps there are after each request are returned (int64 [2, b - a])."""
         ps = self.state
         if self.compiled is not None:
             st = self.compiled.state
@@ -1160,24 +1175,27 @@ class SAECacheTwin(Twin):
                 sess = st.session[a:b]
                 before = st.sess_t[sess]
             self.compiled.run(a, b, ps.req[R_Q], ps.req[R_SLOT], ps.req[R_FLAGS], ps.req_pst)
-            if gaps:
-                self._record_gaps(a, b, sess, before)
-            return
+            return self._record_gaps(a, b, sess, before) if gaps else None
         arrivals, trace = self.arrivals, self.trace
         t = trace.t[a:b].tolist()
-        q, slot, flags, pst = [], [], [], []
+        q, slot, flags, pst, counts = [], [], [], [], []
+        raw = arrivals.raw_gaps
         for i, now in zip(range(a, b), t, strict=True):
             qi, si, refit, structural = arrivals.arrive(trace, i, now)
             q.append(qi)
             slot.append(si)
             flags.append(REFIT * refit + STRUCTURAL * structural)
             pst.append(arrivals.p_structural)
+            if gaps:
+                counts.append((len(raw[CH]), len(raw[AG])))
         ps.req[R_Q, a:b], ps.req[R_SLOT, a:b], ps.req[R_FLAGS, a:b], ps.req_pst[a:b] = q, slot, flags, pst
+        return np.array(counts, dtype=np.int64).reshape(-1, 2).T if gaps else None
 
-    def _record_gaps(self, a: int, b: int, sess: np.ndarray, before: np.ndarray) -> None:
+    def _record_gaps(self, a: int, b: int, sess: np.ndarray, before: np.ndarray) -> np.ndarray:
         """Arrivals.arrive's raw gaps of requests ``a .. b-1`` (sessions ``sess``, whose last arrivals before them
         were ``before``), which the compiled arrivals count but do not keep: a request of a known session in the chat
-        or agent queue completes the gap since its session's previous arrival, that in this piece or before it."""
+        or agent queue completes the gap since its session's previous arrival, that in this piece or before it.
+        Returns the chat and agent raw gaps there are after each request (int64 [2, b - a])."""
         t = self.trace.t[a:b]
         last = before.copy()
         order = np.lexsort((np.arange(sess.size), sess))
@@ -1187,8 +1205,12 @@ class SAECacheTwin(Twin):
         gap = t - last  # NaN where the session had no arrival before
         keep = (sess >= 0) & (gap > 0)
         raw = self.arrivals.raw_gaps
-        for queue in (CH, AG):
-            raw[queue].extend(gap[keep & (q == queue)].tolist())
+        counts = np.empty((2, b - a), dtype=np.int64)
+        for k, queue in enumerate((CH, AG)):
+            mine = keep & (q == queue)
+            counts[k] = len(raw[queue]) + np.cumsum(mine)
+            raw[queue].extend(gap[mine].tolist())
+        return counts
 
     def _python_arrivals(self):
         """The arrivals object, with the compiled arrivals' state written back into it."""

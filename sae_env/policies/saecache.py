@@ -1111,13 +1111,15 @@ class EmpiricalShapes:
         self.used = (0, 0)  # the gaps the chat and agent distributions rest on
 
     def update(self, raw: dict[int, Any], params: dict[str, float], used: tuple[int, int] | None = None,
-               prior: tuple[tuple[float, float], tuple[float, float]] | None = None) -> dict[int, GridGaps | None]:
-        """The distributions of the chat and agent queues from their raw gaps (``Arrivals.raw_gaps``; each queue's
-        first ``used`` when given: the counts a state's distributions rested on) under ``params``' log-normal
-        constants (their prior; a state's mixtures' own ``prior`` when given, as :attr:`priors` had them)."""
+               prior: tuple[tuple[float, float], tuple[float, float]] | None = None,
+               upto: tuple[int, int] | None = None) -> dict[int, GridGaps | None]:
+        """The distributions of the chat and agent queues from their raw gaps (``Arrivals.raw_gaps``: all of them, or
+        each queue's first ``upto``, as they were at an earlier arrival; or its first ``used``: the counts a state's
+        distributions rested on) under ``params``' log-normal constants (their prior; a state's mixtures' own
+        ``prior`` when given, as :attr:`priors` had them)."""
         ln = _lognormal_params(params)
         for k, q in enumerate((CH, AG)):
-            n = len(raw[q]) if used is None else used[k]
+            n = (len(raw[q]) if upto is None else upto[k]) if used is None else used[k]
             if self.mixture:  # refitted only when its count of gaps moves, under the prior of that moment
                 if used is None:
                     n = mixture_gaps_used(n, self.growth)
