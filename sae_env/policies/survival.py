@@ -165,6 +165,7 @@ class ExponentialGaps(LognormalGaps):
 # 11.6 days (one per 0.46 % of idle time: interpolating between them moves a score by less than the estimates resolve).
 EMPIRICAL_GRID = np.concatenate([[0.0], np.geomspace(0.01, 1e6, 4000)])
 _GRID_LIST = EMPIRICAL_GRID.tolist()
+_GRID_LOG = np.log(EMPIRICAL_GRID[1:])  # the grid's idle times but 0, in ln g (the log-normals on the grid read them)
 
 
 class GapCounts:
@@ -217,7 +218,7 @@ def _grid_lognormal_sf(mu: float, sigma: float) -> np.ndarray:
         if len(_LN_ON_GRID) >= 8:
             _LN_ON_GRID.clear()
         s = np.ones(EMPIRICAL_GRID.size)
-        s[1:] = 0.5 * erfc((np.log(EMPIRICAL_GRID[1:]) - mu) / (sigma * _SQRT2))
+        s[1:] = 0.5 * erfc((_GRID_LOG - mu) / (sigma * _SQRT2))
         _LN_ON_GRID[(mu, sigma)] = s
     return s
 
@@ -336,8 +337,7 @@ class MixtureGaps(GridGaps):
                              f"{sd}")
         self.weights, self.mus, self.sigmas = w, m, sd
         surv = np.ones(EMPIRICAL_GRID.size)
-        logs = np.log(EMPIRICAL_GRID[1:])
-        surv[1:] = sum(wk * 0.5 * erfc((logs - mk) / (sk * _SQRT2)) for wk, mk, sk in zip(w, m, sd, strict=True))
+        surv[1:] = sum(wk * 0.5 * erfc((_GRID_LOG - mk) / (sk * _SQRT2)) for wk, mk, sk in zip(w, m, sd, strict=True))
         super().__init__(surv, mu, sigma, n)
 
 
