@@ -439,3 +439,29 @@ def test_gap_table_seed_summary_keeps_halves_apart(capsys):
     assert len(lines) == 2, lines
     assert lines[0].startswith("- wildchat early half 5%: +2.00 [") and lines[0].endswith("min +1.00 over 3 seeds")
     assert lines[1].startswith("- wildchat late half 5%: -2.00 [") and lines[1].endswith("min -3.00 over 3 seeds")
+
+
+def test_gap_table_criteria_put_seeded_cells_at_their_seed_means(capsys):
+    """--criteria over several seeds adds the wide-cell mean with each cell whose gaps a seed draws at its mean over
+    the seeds (wide as seed 0 has it), and a recorded trace's cell (no seed) as it is."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gap_table.py"
+    spec = importlib.util.spec_from_file_location("gap_table", script)
+    gap_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gap_table)
+
+    def row(trace, seed, saecache, belady=0.30):
+        return {"trace": trace, "half": None, "capacity": 0.05, "seed": seed,
+                "gap_share": {"saecache": 0.2, "lpc": 0.1},
+                "token_hit_rate": {"lru": 0.10, "lpc": 0.12, "saecache": saecache, "belady": belady}}
+
+    rows = [row("wildchat", 0, 0.13), row("wildchat", 1, 0.15), row("wildchat", 2, 0.17), row("mooncake", None, 0.11)]
+    gap_table.print_criteria(rows, {}, "in a test")
+    out = capsys.readouterr().out
+    assert "the traces in a test, seed 0): +0.00" in out  # seed 0's +1.00 and the recorded -1.00
+    assert "at its mean over the seeds (3): +1.00" in out  # WildChat at +3.00 and the recorded -1.00
+    narrow = [row("wildchat", s, 0.2, belady=0.12) for s in (0, 1)] + [row("mooncake", None, 0.11)]
+    gap_table.print_criteria(narrow, {}, "in a test")
+    assert "(2): -1.00" in capsys.readouterr().out  # WildChat's cell is narrow at seed 0: not among the wide
