@@ -21,7 +21,7 @@ found from their groups' ranges of the treap, not among all slots). Each block k
 (``relby``); the bins of the last rebinning are the requests whose ``bmark`` is the current one.
 
 Under ``empirical_gaps`` each refit rebuilds the chat and agent queues' gap distributions from the gaps completed so
-far (survival.EmpiricalGaps). The twin runs the window's arrivals ahead (in pieces that end at each refit under
+far (survival.EmpiricalGaps). The twin runs the window's arrivals ahead (in pieces that end at each rebinning under
 rebin), collects the gaps the compiled arrivals count but do not keep, with how many there are after each request
 (_record_gaps), and builds each refit's tables in numpy from the gaps up to it, a row of ``emp`` each; the kernel
 moves to the next row at each refit and scores chat and agent blocks by the same bisection and interpolation as
@@ -1099,48 +1099,39 @@ class SAECacheTwin(Twin):
 
     def prepare(self, a: int, b: int) -> None:
         """The arrivals of requests ``a .. b-1``, run ahead of the kernel (module docstring). Under rebin, in pieces
-        that end at each refit they act on: at a rebinning refit the model's rates and beta are kept for the kernel
-        (rbr, rbb) and the request is flagged REBIN_AT. Under empirical_gaps or gap_mixture every refit rebuilds the
-        gap tables from the gaps completed so far, a row of emp each (row 0: those of the window's start); without
-        rebin they come from the gaps counted per request after the window's arrivals, in one piece."""
+        that end at each rebinning refit, where the model's rates and beta are kept for the kernel (rbr, rbb) and the
+        request is flagged REBIN_AT. Under empirical_gaps or gap_mixture every refit rebuilds the gap tables, a row
+        of emp each (row 0: those of the window's start); they rest on the gaps completed by that refit and on the
+        window's parameters alone (they move between windows), so they are built after the arrivals, from the gaps
+        counted per request."""
         sw = self.policy.switches
-        rebin, empirical = sw["rebin"], _shaped(sw)
-        if not (rebin or empirical):
-            self._arrive(a, b)
+        shaped = _shaped(sw)
+        counts = self._arrive_rebinning(a, b, shaped) if sw["rebin"] else self._arrive(a, b, shaped)
+        if not shaped:
             return
+        rows = [self._emp_now[0]]
+        for j in np.flatnonzero(self.state.req[R_FLAGS, a:b] & REFIT).tolist():
+            self._emp_now = self._emp_tables(upto=(int(counts[0, j]), int(counts[1, j])))
+            rows.append(self._emp_now[0])
+        self._emp_rows(rows)
+
+    def _arrive_rebinning(self, a: int, b: int, gaps: bool) -> np.ndarray | None:
+        """_arrive in pieces that end at each rebinning refit (rebin), keeping the model's rates and beta there."""
         ps = self.state
-        if not rebin:
-            # The tables rest on the gaps completed by each refit and on the window's parameters alone (they move
-            # between windows): the arrivals run in one piece, counting the gaps each request completes, and each
-            # refit's tables are built after them from those counts.
-            counts = self._arrive(a, b, True)
-            rows = [self._emp_now[0]]
-            for j in np.flatnonzero(ps.req[R_FLAGS, a:b] & REFIT).tolist():
-                self._emp_now = self._emp_tables(upto=(int(counts[0, j]), int(counts[1, j])))
-                rows.append(self._emp_now[0])
-            self._emp_rows(rows)
-            return
         done = self.compiled.state.ai[ARRIVALS] if self.compiled is not None else self.arrivals.arrivals
-        every = REFIT_EVERY * (1 if empirical else self.policy.rebin_every)
+        every = REFIT_EVERY * self.policy.rebin_every
         ps.si[RB_NEXT] = 0
-        rows = [self._emp_now[0]] if empirical else []
-        x, k = a, 0
-        for y in range(a + (-(done + 1)) % every, b, every):  # request i is arrival done + 1 + i - a
-            self._arrive(x, y + 1, empirical)
+        x, parts = a, []
+        for k, y in enumerate(range(a + (-(done + 1)) % every, b, every)):  # request i is arrival done + 1 + i - a
+            parts.append(self._arrive(x, y + 1, gaps))
             if not ps.req[R_FLAGS, y] & REFIT:
-                raise RuntimeError(f"saecache twin: request {y} does not refit")
-            if rebin and (done + 1 + y - a) // REFIT_EVERY % self.policy.rebin_every == 0:
-                ps.req[R_FLAGS, y] |= REBIN_AT
-                ps.rbr[k] = self.compiled.rates if self.compiled is not None else self.arrivals.model.rates
-                ps.rbb[k] = self.arrivals.model.beta
-                k += 1
-            if empirical:
-                self._emp_now = self._emp_tables()
-                rows.append(self._emp_now[0])
+                raise RuntimeError(f"saecache twin: a rebinning at request {y}, which does not refit")
+            ps.req[R_FLAGS, y] |= REBIN_AT
+            ps.rbr[k] = self.compiled.rates if self.compiled is not None else self.arrivals.model.rates
+            ps.rbb[k] = self.arrivals.model.beta
             x = y + 1
-        self._arrive(x, b, empirical)
-        if empirical:
-            self._emp_rows(rows)
+        parts.append(self._arrive(x, b, gaps))
+        return np.concatenate(parts, axis=1) if gaps else None
 
     def _emp_tables(self, used: tuple[int, int] | None = None, prior: Any = None,
                     upto: tuple[int, int] | None = None) -> tuple[list[np.ndarray], Any, Any]:
