@@ -210,6 +210,11 @@ class GapCounts:
 _LN_ON_GRID: dict[tuple[float, float], np.ndarray] = {}  # (mu, sigma) -> the log-normal's survival on the grid
 
 
+def _lognormal_sf_past_zero(mu: float, sigma: float) -> np.ndarray:
+    """``LN(mu, sigma)``'s survival at the grid's idle times but 0."""
+    return 0.5 * erfc((_GRID_LOG - mu) / (sigma * _SQRT2))
+
+
 def _grid_lognormal_sf(mu: float, sigma: float) -> np.ndarray:
     """``LN(mu, sigma)``'s survival at :data:`EMPIRICAL_GRID` (read-only), kept for the last few constants: a refit
     rebuilds the empirical distributions with the learners' constants of the window, the same until they move."""
@@ -218,7 +223,7 @@ def _grid_lognormal_sf(mu: float, sigma: float) -> np.ndarray:
         if len(_LN_ON_GRID) >= 8:
             _LN_ON_GRID.clear()
         s = np.ones(EMPIRICAL_GRID.size)
-        s[1:] = 0.5 * erfc((_GRID_LOG - mu) / (sigma * _SQRT2))
+        s[1:] = _lognormal_sf_past_zero(mu, sigma)
         _LN_ON_GRID[(mu, sigma)] = s
     return s
 
@@ -337,7 +342,7 @@ class MixtureGaps(GridGaps):
                              f"{sd}")
         self.weights, self.mus, self.sigmas = w, m, sd
         surv = np.ones(EMPIRICAL_GRID.size)
-        surv[1:] = sum(wk * 0.5 * erfc((_GRID_LOG - mk) / (sk * _SQRT2)) for wk, mk, sk in zip(w, m, sd, strict=True))
+        surv[1:] = sum(wk * _lognormal_sf_past_zero(mk, sk) for wk, mk, sk in zip(w, m, sd, strict=True))
         super().__init__(surv, mu, sigma, n)
 
 
