@@ -70,9 +70,9 @@ it returns; off: a block keeps the bin the model gave its request at the request
 ``empirical_gaps`` (on: the chat and agent queues' hit density reads a gap distribution of the shape of the session
 gaps completed so far, with the learners' log-normal as a prior of ``EMPIRICAL_PRIOR`` pseudo-gaps, rebuilt at every
 refit: survival.EmpiricalGaps; the continuation model keeps the log-normal), ``gap_mixture`` (on: the same
-queues' hit density reads two log-normals mixed, fitted at every refit to the gaps completed so far with the
-learners' log-normal as the same prior, where BIC prefers them to one log-normal, the learners' log-normal otherwise:
-survival.fit_gap_mixture; not with ``empirical_gaps``),
+queues' hit density reads two log-normals mixed, fitted to the gaps completed so far with the learners' log-normal as
+the same prior, refitted once the gaps have grown by ``refit_growth`` since the last fit, where BIC prefers them to one
+log-normal, the learners' log-normal otherwise: survival.fit_gap_mixture; not with ``empirical_gaps``),
 ``type_weights`` (off: w = 1), ``adaptive_alpha`` (off:
 alpha = 1), ``lognormal`` (off: exponential gaps), ``position_decay`` (off: no offset term), ``multi_queue`` (off: one
 temporal queue, no PE priority), ``predictor`` (the paper's ranking: off routes first requests by rule only; under the
@@ -1108,7 +1108,6 @@ class EmpiricalShapes:
         self._built: dict[int, GridGaps | None] = {}
         self._key: dict[int, tuple[int, float, float]] = {}  # what each was built from: (gaps, mu, sigma)
         self._counts: dict[int, GapCounts] = {}
-        self.used = (0, 0)  # the gaps the chat and agent distributions rest on
 
     def update(self, raw: dict[int, Any], params: dict[str, float], used: tuple[int, int] | None = None,
                prior: tuple[tuple[float, float], tuple[float, float]] | None = None,
@@ -1137,8 +1136,12 @@ class EmpiricalShapes:
                 self._built[q] = (fit_gap_mixture(counts, key[1], key[2], EMPIRICAL_PRIOR) if self.mixture
                                   else EmpiricalGaps(counts, key[1], key[2], EMPIRICAL_PRIOR))
                 self._key[q] = key
-        self.used = (self._key[CH][0], self._key[AG][0])
         return dict(self._built)
+
+    @property
+    def used(self) -> tuple[int, int]:
+        """The gaps the chat and agent distributions rest on."""
+        return (self._key[CH][0], self._key[AG][0]) if self._key else (0, 0)
 
     @property
     def priors(self) -> np.ndarray:
