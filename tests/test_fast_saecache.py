@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fast_engine import SERVER, assert_same_windows, hand_over
-from test_saecache import session_traces, tiny
+from test_saecache import make_trace, session_traces, tiny
 
 from sae_env import data
 from sae_env.cache import PrefixCache
@@ -33,7 +33,7 @@ from sae_env.replay import Replay
 from sae_env.serving import make_server
 from sae_env.sources import open_trace
 from sae_env.state import export_cache, import_cache
-from sae_env.trace import Trace
+from sae_env.trace import AppType, Trace
 
 pytest.importorskip("numba")
 
@@ -339,6 +339,18 @@ def test_embedded_real_traces_agree_with_empirical_gaps(shape, trace_name):
         mixed = isinstance(py.policy._gaps[saecache.CH], survival.MixtureGaps) or \
             isinstance(py.policy._gaps[saecache.AG], survival.MixtureGaps)
         assert mixed == (trace_name != "wildchat")
+
+
+@SHAPES
+@pytest.mark.parametrize("n", [1, 5])
+def test_requests_of_no_session_complete_no_gap(shape, n):
+    """Requests without a session (-1) only: the compiled arrivals then know no session at all, and the gaps the
+    twin records for the tables read no session's last arrival (hypothesis once found an IndexError there)."""
+    trace = make_trace([[0, 2, 3]] * n, [[12]] * n, [-1] * n, [1] * n, [AppType.CHAT] * n,
+                       np.arange(n, dtype=np.float64))
+    py, fast = both(trace, 2, options=shape, window_requests=2)
+    assert_same_windows(py, fast)
+    assert not py.policy.arrivals.raw_gaps[saecache.CH] and not py.policy.arrivals.raw_gaps[saecache.AG]
 
 
 @settings(max_examples=40, deadline=None)

@@ -1164,7 +1164,9 @@ class SAECacheTwin(Twin):
             st = self.compiled.state
             if gaps:  # each request's session's last arrival before this piece (Arrivals.arrive's gap reads it)
                 sess = st.session[a:b]
-                before = st.sess_t[sess]
+                before = np.full(sess.size, np.nan)  # a request of no session (-1) completes no gap
+                known = sess >= 0
+                before[known] = st.sess_t[sess[known]]
             self.compiled.run(a, b, ps.req[R_Q], ps.req[R_SLOT], ps.req[R_FLAGS], ps.req_pst)
             return self._record_gaps(a, b, sess, before) if gaps else None
         arrivals, trace = self.arrivals, self.trace
