@@ -912,12 +912,14 @@ def _take(ps, c, v):
     if rec[v, WHERE] != 0:
         _remove(ps, rec, v)
     rec[v, STAMP] = 0
+    group = rec[v, GROUP]
     if si[REBIN]:
+        group = _current_group(ps, rec, v)  # SAECachePolicy._take: a parent the shortcut took never returned
         ps.relby[v] = NOT_RELEASED
     p = rec[v, PARENT]
     if p >= 0 and rec[p, QUEUE] == q:
         if q == CH or q == AG:  # rebin: the parent's group if it returned now
-            same = (_current_group(ps, rec, p) if si[REBIN] else rec[p, GROUP]) == rec[v, GROUP]
+            same = (_current_group(ps, rec, p) if si[REBIN] else rec[p, GROUP]) == group
         else:  # a sampled structural group weighs each block's offset: its parent scores apart
             same = not (q == ST and si[SAMPLED]) and (not si[TYPED] or rec[p, BTYPE] == rec[v, BTYPE])
         if same:

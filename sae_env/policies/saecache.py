@@ -834,13 +834,17 @@ class SAECachePolicy(EvictionPolicy):
         """Forget the victim (its list or heap entry is dead now) and note its parent as the likely next one."""
         self._occupancy[victim.queue] -= 1
         victim.stamp = 0
+        group = victim.pdata
         if self._rebin:
+            # the victim's group now: a parent the shortcut took never returned, so its pdata may predate the last
+            # rebinning (comparing that would miss every other parent of a chain, and each miss costs a scan)
+            group = self._group(victim)
             self._released_by.pop(victim, None)
         parent = victim.parent
         if parent is not None and parent.queue == victim.queue:
             q = victim.queue
             if q == CH or q == AG:  # their group is in pdata, set at release (rebin: a parked one's when it returns)
-                same = (self._group(parent) if self._rebin else parent.pdata) == victim.pdata
+                same = (self._group(parent) if self._rebin else parent.pdata) == group
             else:  # a sampled structural group weighs each block's offset: its parent scores apart
                 same = not (q == ST and self._st_sampled) and (not self._typed or parent.type == victim.type)
             if same:
