@@ -126,17 +126,18 @@ NOT_RELEASED = -2  # rebin: a slot's releasing request when none (-1: released b
 # gap_mixture: a queue's row of tables where BIC kept the learners' log-normal (its survival row starts below 0: the
 # kernel scores that queue by the log-normal's closed form, as the Python policy does)
 _LOGNORMAL_ROWS = (np.full(EMPIRICAL_GRID.size, -1.0), np.zeros(EMPIRICAL_GRID.size))
-
-
-def _shaped(switches: dict[str, bool]) -> bool:
-    """Whether the chat and agent queues rank by gap tables rebuilt at every refit (empirical_gaps, gap_mixture)."""
-    return switches["empirical_gaps"] or switches["gap_mixture"]
 # Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
 # structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity,
 # the position decay's power gamma, the ranking clock's step as a fraction of the horizon (clock_step).
 CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, EXP_MEAN_CH, CAPACITY, GAMMA, CLOCK = range(11)
 N_ST = 16  # structural groups are queue-type codes 8 .. 15 (they carry no continuation bin)
 REFIT, STRUCTURAL, REBIN_AT = 1, 2, 4  # request flags (REBIN_AT: the refit there rebins, set by Twin.prepare)
+
+
+def _shaped(switches: dict[str, bool]) -> bool:
+    """Whether the chat and agent queues rank by gap tables rebuilt at every refit (empirical_gaps, gap_mixture: as
+    SAECachePolicy._empirical)."""
+    return switches["empirical_gaps"] or switches["gap_mixture"]
 
 
 # The state's packed rows (a kernel loads and unboxes every array of its state tuple: each costs ~55 us at a
@@ -1051,8 +1052,7 @@ class SAECacheTwin(Twin):
         if _shaped(sw):  # the tables the policy ranked with when it exported its state
             used = state.get("empirical_used")
             prior = state.get("mixture_prior")
-            self._emp_now = self._emp_tables(None if used is None else (int(used[0]), int(used[1])),
-                                             None if prior is None else tuple(map(tuple, np.asarray(prior).tolist())))
+            self._emp_now = self._emp_tables(None if used is None else (int(used[0]), int(used[1])), prior)
         rec = core.rec
         queue, types = rec[:n, QUEUE], rec[:n, BTYPE]
         code = queue * _TYPES + (types if sw["type_weights"] else 0)

@@ -1040,8 +1040,7 @@ class SAECachePolicy(EvictionPolicy):
         if self._empirical:  # the raw gaps are the state's now: counted again
             self._shapes = EmpiricalShapes(mixture=self.switches["gap_mixture"], growth=self.refit_growth)
             used, prior = state.get("empirical_used"), state.get("mixture_prior")
-            self._empirical_gaps(None if used is None else (int(used[0]), int(used[1])),
-                                 None if prior is None else tuple(map(tuple, np.asarray(prior).tolist())))
+            self._empirical_gaps(None if used is None else (int(used[0]), int(used[1])), prior)
 
     def check_invariants(self) -> None:
         """Every unpinned block is in exactly one place: live in its group's list, valid in its group's
@@ -1114,13 +1113,14 @@ class EmpiricalShapes:
         self._counts: dict[int, GapCounts] = {}
 
     def update(self, raw: dict[int, Any], params: dict[str, float], used: tuple[int, int] | None = None,
-               prior: tuple[tuple[float, float], tuple[float, float]] | None = None,
-               upto: tuple[int, int] | None = None) -> dict[int, GridGaps | None]:
+               prior: Any = None, upto: tuple[int, int] | None = None) -> dict[int, GridGaps | None]:
         """The distributions of the chat and agent queues from their raw gaps (``Arrivals.raw_gaps``: all of them, or
         each queue's first ``upto``, as they were at an earlier arrival; or its first ``used``: the counts a state's
         distributions rested on) under ``params``' log-normal constants (their prior; a state's mixtures' own
-        ``prior`` when given, as :attr:`priors` had them)."""
+        ``prior`` when given, [2, 2] as :attr:`priors` has them)."""
         ln = _lognormal_params(params)
+        if prior is not None:
+            prior = [tuple(row) for row in np.asarray(prior, dtype=np.float64).tolist()]
         for k, q in enumerate((CH, AG)):
             n = (len(raw[q]) if upto is None else upto[k]) if used is None else used[k]
             if self.mixture:  # refitted only when its count of gaps moves, under the prior of that moment
