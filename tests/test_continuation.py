@@ -396,16 +396,3 @@ def test_recording_many_labels_at_once_equals_one_at_a_time(buffer, fill, n_end)
     assert a._lab_n == b._lab_n
     np.testing.assert_array_equal(a._lab_i[:a._lab_n], b._lab_i[:b._lab_n])
     np.testing.assert_array_equal(a._lab_y[:a._lab_n], b._lab_y[:b._lab_n])
-
-
-def test_update_counts_refuses_counts_of_another_shape_or_type():
-    model = ContinuationModel(max_turn=4)
-    model.bind(sessions_trace(5, seed=1))
-    gaps = [LognormalGaps(MU, SIGMA)] * 2
-    none = np.zeros(0, dtype=np.int64)
-    good = (np.zeros((4, 5)), np.zeros(5, dtype=np.int64))
-    for counts, n_pend in [(np.zeros((4, 9)), good[1]), (good[0], np.zeros(5)), (good[0].astype(np.float32), good[1])]:
-        with pytest.raises(ValueError, match="update_counts takes counts float64"):
-            model.update_counts(0.0, gaps, none, np.zeros(0), np.zeros(0), counts, n_pend, 0)
-    keep, soft = model.update_counts(0.0, gaps, none, np.zeros(0), np.zeros(0), *good, 0)
-    assert keep.size == soft.size == 0

@@ -3,23 +3,19 @@
 * Its three forms give the same bits: numpy, the loops as plain Python, the loops compiled (hypothesis inputs with
   both end reasons, surv at 0 and 1, empty buckets, no censoring, end_below 0).
 * They equal a one-request-at-a-time reference written from the model's docstring.
-* The tier runs numpy until its estimated time reaches LOAD_US, compiled after; at once where it is loaded.
-* On a real trace SAECache decides the same with the compiled settling from the first refit as with numpy only.
+
+The compiled arrivals' kernel settles with the loops; the engines' differential tests (test_fast_arrivals.py,
+test_fast_saecache.py) compare it with the Python model's numpy form on whole traces.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sae_env.cache import PrefixCache
 from sae_env.policies import continuation_refit as refit
-from sae_env.policies import make_policy
 from sae_env.policies.continuation_refit import ALIVE, ENDED, RATES, settle_loops, settle_numpy
-from sae_env.replay import Replay
-from sae_env.sources import open_trace
 
 PRIOR = (1.0, 1.0)
 
@@ -150,63 +146,3 @@ def test_each_end_reason_ends_a_request_and_only_it():
         # without censoring only the horizon ends a request, and the soft weights are 0
         keep, soft, c, n = run_form(form, args[:-2] + (False, 1))
         assert keep.tolist() == [False, True, True, True] and soft.tolist() == [0.0, 0.0, 0.0]
-
-
-def test_the_tier_pays_the_load_time_in_numpy_first(monkeypatch):
-    """Numpy until the estimated numpy time reaches LOAD_US, then the loops; the loops at once once they are loaded
-    (any signature compiled in this process); never the loops for a caller that does not opt in (numba may not run
-    in its process yet), and its calls do not count towards the load time."""
-    calls = []
-
-    def loops(*a):
-        calls.append("loops")
-        return settle_loops(*a)
-
-    loops.signatures = []
-    monkeypatch.setattr(refit, "AVAILABLE", True)
-    monkeypatch.setattr(refit, "settle_loops", loops)
-    monkeypatch.setattr(refit, "settle_numpy", lambda *a: calls.append("numpy") or settle_numpy(*a))
-    monkeypatch.setattr(refit, "_spent_us", 0.0)
-    rows = 100  # the load time lies between two and three calls' estimates: the third call is the last in numpy
-    monkeypatch.setattr(refit, "LOAD_US", 2.5 * (refit._NUMPY_US_PER_CALL + rows * refit._NUMPY_US_PER_ROW))
-    args = (np.ones(rows), np.full(rows, 0.5), np.zeros(rows), np.zeros(rows, dtype=bool),
-            np.ones(rows, dtype=np.int8), (10.0, 10.0), np.zeros((4, 2)), np.array([0, rows]), PRIOR, 0.01, True, 2)
-    for _ in range(5):
-        refit.settle(*args)  # not opted in
-    assert calls == ["numpy"] * 5 and refit._spent_us == 0.0
-    calls.clear()
-    for _ in range(5):
-        refit.settle(*args, compiled=True)
-    assert calls == ["numpy"] * 3 + ["loops"] * 2
-    calls.clear()
-    monkeypatch.setattr(refit, "_spent_us", 0.0)
-    loops.signatures = ["loaded"]
-    refit.settle(*args, compiled=True)
-    refit.settle(*args)
-    assert calls == ["loops", "numpy"]
-
-
-@pytest.mark.skipif(not refit.AVAILABLE, reason="numba is not installed")
-@pytest.mark.parametrize("trace_name", ["mooncake_synthetic", "wildchat"])
-def test_the_compiled_settling_makes_the_numpy_forms_decisions(trace_name, monkeypatch):
-    """Every window's statistics the same, SAECache on a real trace: compiled settling from the first refit
-    (LOAD_US = 0) against numpy only."""
-    trace, _ = open_trace(trace_name)
-    capacity = int(0.05 * np.unique(trace.prompt_keys).size)
-    windows = []
-    for compiled in (False, True):
-        monkeypatch.setattr(refit, "AVAILABLE", compiled)
-        monkeypatch.setattr(refit, "LOAD_US", 0.0)
-        calls = []
-        loops = refit.settle_loops
-        monkeypatch.setattr(refit, "settle_loops", lambda *a, _l=loops, _c=calls: _c.append(1) or _l(*a))
-        r = Replay(trace, PrefixCache(capacity, make_policy("saecache")))
-        r.run()
-        assert bool(calls) == compiled
-        windows.append(r.windows)
-    assert windows[0] == windows[1]
-    # the Python engine's refits never load the loops, whatever the load time
-    calls.clear()
-    r = Replay(trace, PrefixCache(capacity, make_policy("saecache")), engine="python")
-    r.step()
-    assert r.engine == "python" and not calls

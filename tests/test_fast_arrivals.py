@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from test_saecache import session_traces
 
 from sae_env.fast_engine import AVAILABLE
-from sae_env.fast_engine.arrivals import REFIT, STRUCTURAL, CompiledArrivals, compiled
+from sae_env.fast_engine.arrivals import REFIT, REFIT_T, STRUCTURAL, CompiledArrivals, compiled
 from sae_env.policies.arrivals import Arrivals
 from sae_env.policies.continuation import ContinuationModel
 from sae_env.policies.saecache import PARAM_SPECS, gap_models
+from sae_env.policies.survival import ExponentialGaps
 from sae_env.sources import open_trace
 from sae_env.trace import Trace
 
@@ -133,38 +134,70 @@ def expected_refits(trace: Trace, growth: float, stale_after: float) -> list[flo
     return out
 
 
-@pytest.mark.parametrize("timed", [False, True])
-@pytest.mark.parametrize("growth", [0.0, 0.5, 1.0])
-def test_the_compiled_arrivals_hand_back_only_the_refits_the_model_makes_due(growth, timed, monkeypatch):
-    """run() counts the update offers itself and returns to Python only where the model refits: at the offers its
-    ``update_due`` says yes to (every offer at growth 0, 10 of mooncake_synthetic's 62 at 0.5) and, with
-    ``timed_refit``, at the arrivals that find its last refit more than ``stale_after`` back: the same refits as
-    the Python arrivals, at the same requests, and as the rule restated."""
-    trace, _ = open_trace("mooncake_synthetic")
-    ref = arrivals_for(trace, refit_growth=growth, timed_refit=timed)
-    fast = arrivals_for(trace, refit_growth=growth, timed_refit=timed)
-    ref_refits, handed_back = [], []
+def spied_reference(trace: Trace, **options) -> tuple[Arrivals, list[tuple[float, bool]]]:
+    """Python arrivals whose model records each refit or refresh: (its time, whether it fits beta)."""
+    ref = arrivals_for(trace, **options)
+    refits: list[tuple[float, bool]] = []
     update_pending = ContinuationModel.update_pending
 
-    def spy(model, now, *args, **kw):
-        ref_refits.append(now)
-        return update_pending(model, now, *args, **kw)
+    def spy(model, now, *args, fit=True, **kw):
+        refits.append((now, fit))
+        return update_pending(model, now, *args, fit=fit, **kw)
 
     ref.model.update_pending = spy.__get__(ref.model)
-    refit = CompiledArrivals._refit
+    return ref, refits
 
-    def counted_refit(self, now, **kw):
-        handed_back.append(now)
-        return refit(self, now, **kw)
 
-    monkeypatch.setattr(CompiledArrivals, "_refit", counted_refit)
+def runs(values: list[float]) -> list[float]:
+    return [v for k, v in enumerate(values) if k == 0 or v != values[k - 1]]
+
+
+@pytest.mark.parametrize("timed", [False, True])
+@pytest.mark.parametrize("growth", [0.0, 0.5, 1.0])
+def test_the_compiled_arrivals_settle_where_the_model_refits_and_hand_back_only_its_fits(growth, timed, monkeypatch):
+    """run() counts the update offers itself and settles the pending requests where the model refits: at the offers
+    its ``update_due`` says yes to (every offer at growth 0, 10 of mooncake_synthetic's 62 at 0.5) and, with
+    ``timed_refit``, at the arrivals that find its last refit more than ``stale_after`` back: the same refits as
+    the Python arrivals, at the same requests, and as the rule restated. Under log-normal gaps it settles them in
+    the kernel (a refresh never leaves it) and hands back to Python only the due refits' fits of beta."""
+    trace, _ = open_trace("mooncake_synthetic")
+    ref, ref_refits = spied_reference(trace, refit_growth=growth, timed_refit=timed)
+    fast = arrivals_for(trace, refit_growth=growth, timed_refit=timed)
+    fits = []
+    fit = CompiledArrivals._fit
+
+    def counted_fit(self, now):
+        fits.append(now)
+        return fit(self, now)
+
+    monkeypatch.setattr(CompiledArrivals, "_fit", counted_fit)
     want = python_rows(ref, trace)
-    got, c = compiled_rows(fast, trace, [1000, 2500])
-    assert got == want
-    assert handed_back == ref_refits == expected_refits(trace, growth, ref.model.stale_after(ref.gaps))
+    n = len(trace)
+    out = np.zeros(n, dtype=np.int8), np.zeros(n, dtype=np.int8), np.zeros(n, dtype=np.int8), np.zeros(n)
+    c, settled = CompiledArrivals(fast), []
+    for i in range(n):  # one request a call: the time of the last settling after each
+        c.run(i, i + 1, *out)
+        if not math.isnan(c.state.af[REFIT_T]):
+            settled.append(float(c.state.af[REFIT_T]))
+    assert list(zip(*[x.tolist() for x in out], strict=True)) == want
+    assert runs(settled) == runs([t for t, _ in ref_refits]) == runs(
+        expected_refits(trace, growth, ref.model.stale_after(ref.gaps)))
+    assert fits == [t for t, due in ref_refits if due]
     schedule = ContinuationModel(refit_growth=growth)
     due = [k for k in range(len(trace) // 64) if schedule.update_due()]
     assert len(due) == (62 if growth == 0 else 10 if growth == 0.5 else 6)
     # refitting at every offer leaves no pause that long here; the sparser schedules' pauses add refits
     assert len(ref_refits) == len(due) + (0 if not timed or growth == 0 else 4 if growth == 0.5 else 6)
     same_state(c.save().export_state(), ref.export_state())
+
+
+def test_gaps_other_than_log_normal_are_refused():
+    """The kernel computes the log-normal survival itself, so the compiled arrivals refuse a model under other gaps
+    (SAECache's exponential gaps, lognormal=False, have no compiled twin): a broken invariant, not a wrong number."""
+    trace = open_trace("mooncake_synthetic")[0][:300]
+    fast = arrivals_for(trace)
+    fast.gaps = (ExponentialGaps(40.0), ExponentialGaps(20.0))
+    n = len(trace)
+    out = np.zeros(n, dtype=np.int8), np.zeros(n, dtype=np.int8), np.zeros(n, dtype=np.int8), np.zeros(n)
+    with pytest.raises(RuntimeError, match="gaps must be log-normal, got ExponentialGaps"):
+        CompiledArrivals(fast).run(0, n, *out)

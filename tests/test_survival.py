@@ -305,3 +305,15 @@ def test_gap_mixture_bad_input():
         MixtureGaps(np.array([0.5, 0.6]), np.array([1.0, 2.0]), np.array([1.0, 1.0]), 3.0, 1.0, 10)
     with pytest.raises(ValueError, match="gap mixture"):
         MixtureGaps(np.array([0.5, 0.5]), np.array([1.0, 2.0]), np.array([1.0, -1.0]), 3.0, 1.0, 10)
+
+
+@settings(max_examples=50, deadline=None)
+@given(mu=st.floats(-3, 8), sigma=st.floats(0.05, 4),
+       dt=st.lists(st.one_of(st.floats(-10, 1e7), st.sampled_from([0.0, 5e-324, 1e-300, math.inf, math.nan])),
+                   max_size=50))
+def test_the_survival_of_many_idle_times_is_each_ones_survival_bit_for_bit(mu, sigma, dt):
+    """sf_array is sf elementwise, the same floats (libm's log and erfc, as the compiled arrivals compute them)."""
+    g = LognormalGaps(mu, sigma)
+    got = g.sf_array(np.array(dt, dtype=np.float64))
+    assert got.dtype == np.float64 and got.shape == (len(dt),)
+    assert got.tobytes() == np.array([g.sf(x) for x in dt], dtype=np.float64).tobytes()

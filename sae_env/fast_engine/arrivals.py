@@ -1,19 +1,20 @@
 """Compiled twin of SAECache's arrivals (:meth:`~sae_env.policies.arrivals.Arrivals.arrive` with the continuation
 model's ``arrive`` and ``p``): a window's requests in one call, the same floats in the same order.
 
-What stays in Python is what runs once per many arrivals: the continuation model's refit (at the update offers,
-every ``REFIT_EVERY`` arrivals, that its ``refit_growth`` schedule makes due, counted here as the model counts them,
-and its refresh at an arrival where its last refit lies more than its ``stale_after`` back: the gap survival of the
-pending requests, the ended ones labelled and the rates' EM steps (:mod:`sae_env.policies.continuation_refit`, whose
-loops are compiled once a process has spent their load time in numpy) and, at a refit, the Newton steps of the
-correction, in numpy) and the block of ``z @ beta`` that ``p`` reads (1024 requests at a time). :func:`run` stops at
-the request that needs one of them, :class:`CompiledArrivals` does it through the Python model's own methods, and the
-loop goes on from that request.
+The continuation model's refits (at the update offers, every ``REFIT_EVERY`` arrivals, that its ``refit_growth``
+schedule makes due, counted here as the model counts them) and refreshes (at an arrival where its last refit lies
+more than its ``stale_after`` back) settle the pending requests here too: their gap survival (libm's ``log`` and
+``erfc``, as :meth:`~sae_env.policies.survival.LognormalGaps.sf_array`), the ended ones labelled and the rates' EM
+steps (``settle_loops`` of :mod:`sae_env.policies.continuation_refit`, the same floats as the Python model's numpy
+form). What stays in Python is what numpy's BLAS computes: a refit's Newton steps of the correction ``beta`` and the
+block of ``z @ beta`` that ``p`` reads (1024 requests at a time). :func:`run` stops at the request that needs one of
+them, :class:`CompiledArrivals` does it through the Python model's own methods, and the loop goes on from that
+request. (Refreshes, 435 of the 461 updates on mooncake_synthetic made 16 times longer, never leave the kernel.)
 
 The per-arrival state lives here while the compiled engine holds the replay, as arrays, taken from the Python
 objects through the state contract (``export_state``) and given back the same way (``import_state``); the Python
 side offers only public hand-over methods (``Arrivals.routes``, the model's ``counts`` / ``set_counts`` /
-``update_counts`` / ``labelled_buffer`` / ``labelled_count`` / ``zb_at``):
+``agent_flags`` / ``horizons`` / ``fit_settled`` / ``labelled_buffer`` / ``labelled_count`` / ``zb_at``):
 
 * sessions by dense id (this trace's session ids, sorted): the last arrival and its queue, the latest request, each
   with its place in the Python dict's insertion order (the exported state lists them in that order); the entries of
@@ -34,10 +35,12 @@ import numpy as np
 from sae_env.fast_engine.jit import borrow, inline, jit
 from sae_env.policies.arrivals import AG, CH, LOGIT_BIN, LOGIT_MAX, PE, REFIT_EVERY, ST, Arrivals
 from sae_env.policies.continuation import MAX_REFIT_GAP, P_CLIP
+from sae_env.policies.continuation_refit import settle_loops
+from sae_env.policies.survival import LognormalGaps
 
 __all__ = ["CompiledArrivals"]
 
-DONE, REFIT_DUE, NEED_ZB, NEED_ROOM, STALE = range(5)  # why run() returned
+DONE, FIT_DUE, NEED_ZB, NEED_ROOM = range(4)  # why run() returned
 # Integer scalars: arrivals so far, shared-prefix uses and reuses, pending entries, labelled entries, the z @ beta
 # block's first request and length, whether the update offer at the next arrival was counted (run() may stop there
 # more than once), the next insertion rank of the sessions' dict and of the model's latest-request dict, and the
@@ -48,9 +51,11 @@ ARRIVALS, PREFIX_USES, PREFIX_REUSED, PQ_N, LAB_N, ZB_FROM, ZB_LEN, REFIT_DONE, 
 # the model is stale (ContinuationModel.stale_after, set by CompiledArrivals.run: the gaps move between windows).
 P_ST, REFIT_T, STALE_AFTER = range(3)
 # Options, after the integer scalars: a continuation model, the hit density, PE routing, multi_queue, censoring,
-# features, buffer; after the float scalars: continue_threshold, the prior's two pseudo-counts, refit_growth.
-HAS_MODEL, DENSITY, PE_ROUTING, MULTI, CENSORING, FEATURES, BUFFER = range(12, 19)
-THRESHOLD, PRIOR_A, PRIOR_B, GROWTH = range(3, 7)
+# features, buffer, the model's EM steps; after the float scalars: continue_threshold, the prior's two pseudo-counts,
+# refit_growth, end_below, then what the settling reads of the gaps (set by CompiledArrivals.run, as the gaps move
+# between windows): each queue's log-normal mu and sigma * sqrt 2, and its horizon.
+HAS_MODEL, DENSITY, PE_ROUTING, MULTI, CENSORING, FEATURES, BUFFER, STEPS = range(12, 20)
+THRESHOLD, PRIOR_A, PRIOR_B, GROWTH, END_BELOW, MU_CH, S2_CH, MU_AG, S2_AG, HORIZON_CH, HORIZON_AG = range(3, 14)
 # Packed rows (a kernel loads and unboxes every array of its state tuple: each costs ~55 us at a process's first
 # replay, so fields of one length and type share an array). Per turn bucket (float64): the continuation rate, the
 # pending requests' soft weights summed, the continued and the ended counts.
@@ -58,7 +63,9 @@ RATES, ALIVE, CONTINUED, ENDED = range(4)
 # Per session (int64): its place in the Python dict's order (insertion order), its latest request (-1: none) and
 # that entry's place in the model's dict, the queue of its last arrival.
 S_RANK, S_LAST, S_LAST_RANK, S_QUEUE = range(4)
-PQ_T, PQ_W = range(2)  # per pending request (float64): its arrival, its soft weight (NaN: labelled since the refit)
+# Per pending request (float64): its arrival, its soft weight (NaN: labelled since the refit), its gap survival at the
+# kernel's last settling (what a fit after it reads).
+PQ_T, PQ_W, PQ_S = range(3)
 REFIT, STRUCTURAL = 1, 2  # request flags, as the compiled SAECache reads them
 
 
@@ -67,12 +74,13 @@ class ArrivalState(NamedTuple):
     session: np.ndarray  # int32 (int64 past 2**31 sessions) per request: its dense session id (-1: unknown)
     prefix_of: np.ndarray  # int32 per request: its shared prefix (-1: none)
     bucket: np.ndarray  # int per request: its turn bucket
+    agent: np.ndarray  # bool per request: its gaps are the agent queue's (else chat's), as the model has it
     sess_t: np.ndarray  # float64 per session: its last arrival (NaN: none yet)
     sess: np.ndarray  # int64 [S_*, session]
     prefix_last: np.ndarray  # float64 per shared prefix: its last use (NaN: none), Arrivals' own array
     gap: np.ndarray  # float64 [queue, (n, sum ln gap, sum ln^2 gap)]
     pq_req: np.ndarray  # int64: pending requests, increasing ...
-    pq: np.ndarray  # float64 [PQ_T | PQ_W, pending] ... their arrivals and soft weights
+    pq: np.ndarray  # float64 [PQ_T | PQ_W | PQ_S, pending] ... their arrivals, soft weights, survivals
     counts: np.ndarray  # float64 [RATES | ALIVE | CONTINUED | ENDED, turn bucket]
     n_pending: np.ndarray  # int64 per turn bucket
     lab_i: np.ndarray  # int64: the model's labelled requests ...
@@ -162,6 +170,49 @@ def _model_arrive(st, i, now):
 
 
 @inline
+def _settle(st, now):
+    """ContinuationModel.update_counts up to its fit, on LognormalGaps: the pending requests' survival (libm's log and
+    erfc, as LognormalGaps.sf_array), settle_loops, the ended ones recorded in arrival order (_record_many: one
+    _record after another); the kept ones stay, compacted, with their new weights and survivals."""
+    ai, af, pq, pq_req = st.ai, st.af, st.pq, st.pq_req
+    m = 0
+    for j in range(ai[PQ_N]):  # the live entries (a NaN weight: labelled continued since the last settling)
+        w = pq[PQ_W, j]
+        if w == w:
+            pq_req[m] = pq_req[j]
+            pq[PQ_T, m] = pq[PQ_T, j]
+            pq[PQ_W, m] = w
+            m += 1
+    idle, surv, agent = np.empty(m), np.empty(m), np.empty(m, dtype=np.bool_)
+    bucket = np.empty(m, dtype=st.bucket.dtype)
+    for j in range(m):
+        r = pq_req[j]
+        dt = now - pq[PQ_T, j]
+        ag = st.agent[r]
+        idle[j], agent[j], bucket[j] = dt, ag, st.bucket[r]
+        if dt > 0.0:
+            mu, s2 = (af[MU_AG], af[S2_AG]) if ag else (af[MU_CH], af[S2_CH])
+            surv[j] = 0.5 * math.erfc((math.log(dt) - mu) / s2)
+        else:
+            surv[j] = 1.0
+    keep, soft = np.empty(m, dtype=np.bool_), np.empty(m)
+    settle_loops(idle, surv, pq[PQ_W, :m], agent, bucket, af[HORIZON_CH], af[HORIZON_AG], st.counts, st.n_pending,
+                 af[PRIOR_A], af[PRIOR_B], af[END_BELOW], ai[CENSORING] != 0, ai[STEPS], keep, soft)
+    k = 0
+    for j in range(m):
+        if keep[j]:
+            pq_req[k] = pq_req[j]
+            pq[PQ_T, k] = pq[PQ_T, j]
+            pq[PQ_W, k] = soft[k]
+            pq[PQ_S, k] = surv[j]
+            k += 1
+        else:
+            _record(st, pq_req[j], 0.0)
+    ai[PQ_N] = k
+    af[REFIT_T] = now
+
+
+@inline
 def slot_of(p):
     """sae_env.policies.arrivals.slot_of, compiled (the same libm: the same bins)."""
     if 0.0 < p < 1.0:
@@ -184,8 +235,9 @@ def _add_gap(gap, q, dt):
 def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
     """Arrivals.arrive for requests ``i0 .. i1-1`` (arriving at ``times[i]``): their queue, continuation bin, flags
     and structural rate in ``out_*[i]``. Returns ``(i, why)``: ``i`` the request it stopped at (``i1``: DONE), before
-    anything of it was done, to have its due refit run (REFIT_DUE) or its refresh (STALE), its z @ beta block computed
-    (NEED_ZB) or the pending arrays grown (NEED_ROOM)."""
+    anything else of it was done, to have the fit of a due refit run once its pending requests are settled here
+    (FIT_DUE), its z @ beta block computed (NEED_ZB) or the pending arrays grown (NEED_ROOM). A refresh (the model
+    stale) is settled here too, and needs nothing of Python."""
     st = borrow(st)  # no reference counting inside (jit.borrow says why)
     ai = st.ai
     has_model, density = ai[HAS_MODEL], ai[DENSITY]
@@ -200,9 +252,10 @@ def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
                 ai[OFFERS] = o
                 if o >= ai[NEXT_REFIT]:  # ContinuationModel.update_due
                     ai[NEXT_REFIT] = o + max(1, min(MAX_REFIT_GAP, int(o * st.af[GROWTH])))
-                    return i, REFIT_DUE
+                    _settle(st, now)
+                    return i, FIT_DUE
             if now - st.af[REFIT_T] > st.af[STALE_AFTER]:  # ContinuationModel.stale (False while REFIT_T is NaN)
-                return i, STALE
+                _settle(st, now)  # a refresh
             if ai[FEATURES] and not (ai[ZB_FROM] <= i < ai[ZB_FROM] + ai[ZB_LEN]):
                 return i, NEED_ZB
             if ai[PQ_N] == st.pq_req.size:
@@ -260,8 +313,8 @@ def _split(ids: np.ndarray, known: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 class CompiledArrivals:
     """An :class:`~sae_env.policies.arrivals.Arrivals` (bound to a trace) whose per-arrival state moved into an
     :class:`ArrivalState`, taken through the state contract (``export_state``); :meth:`save` gives it back
-    (``import_state``). At a refit the continuation model updates the counts held here in place
-    (``update_counts``); the labelled buffer is the model's own arrays."""
+    (``import_state``). The kernel settles the continuation model's refits and refreshes on the counts held here,
+    and the model fits ``beta`` after them (``fit_settled``); the labelled buffer is the model's own arrays."""
 
     def __init__(self, arrivals: Arrivals) -> None:
         self.arrivals = arrivals
@@ -300,7 +353,7 @@ class CompiledArrivals:
             if pend.size > 1 and not np.all(np.diff(pend) > 0):
                 raise ValueError("compiled arrivals: pending requests out of arrival order")
             cap = max(2 * pend.size, 1024)
-            pq_req, pq = np.zeros(cap, dtype=np.int64), np.zeros((2, cap))
+            pq_req, pq = np.zeros(cap, dtype=np.int64), np.zeros((3, cap))
             pq_req[:pend.size], pq[PQ_T, :pend.size], pq[PQ_W, :pend.size] = pend, state["model_pending_t"], \
                 state["model_pending_w"]
             *counts, n_pending, lab_n = model.counts()
@@ -313,29 +366,29 @@ class CompiledArrivals:
                 block = model.zb_at(zb_from)  # the block p() reads now: the same floats
                 zb_len = block.size
                 zb[:zb_len] = block
-            bucket, prior = model.turn_buckets, model.prior
+            bucket, agent, prior = model.turn_buckets, model.agent_flags, model.prior
             censoring, features, buffer = model.censoring, model.features, model.buffer
             offers, next_refit, growth = int(state["model_offers"]), int(state["model_next_refit"]), model.refit_growth
             refit_t = model.last_refit
         else:
-            pq_req, pq, counts = np.zeros(1, dtype=np.int64), np.zeros((2, 1)), np.zeros((4, 1))
+            pq_req, pq, counts = np.zeros(1, dtype=np.int64), np.zeros((3, 1)), np.zeros((4, 1))
             n_pending, lab_n = np.zeros(1, dtype=np.int64), 0
             lab_i, lab_y, zb = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1)
             zb_from = zb_len = 0
-            bucket = np.zeros(1, dtype=np.int8)
+            bucket, agent = np.zeros(1, dtype=np.int8), np.zeros(1, dtype=np.bool_)
             prior, censoring, features, buffer = (1.0, 1.0), False, False, 1
             offers, next_refit, growth = 0, 1, 0.0
             refit_t = math.nan
         ai = np.array([state["arrivals"], state["prefix_uses"], state["prefix_reused"],
                        pend.size if model is not None else 0, lab_n, zb_from, zb_len, 0, ids.size, n_last, offers,
                        next_refit, model is not None, arrivals.density, arrivals.pe_routing, arrivals.multi_queue,
-                       censoring, features, buffer], dtype=np.int64)
+                       censoring, features, buffer, model.steps if model is not None else 0], dtype=np.int64)
         af = np.array([state["p_structural"], refit_t, math.inf, arrivals.continue_threshold, prior[0], prior[1],
-                       growth])
+                       growth, model.end_below if model is not None else 0.0] + [math.nan] * 6)
         self.state = ArrivalState(
-            queue_of=queue_of, session=session, prefix_of=prefix_of, bucket=bucket, sess_t=sess_t, sess=sess,
-            prefix_last=prefix_last, gap=gap, pq_req=pq_req, pq=pq, counts=counts, n_pending=n_pending, lab_i=lab_i,
-            lab_y=lab_y, zb=zb, ai=ai, af=af)
+            queue_of=queue_of, session=session, prefix_of=prefix_of, bucket=bucket, agent=agent, sess_t=sess_t,
+            sess=sess, prefix_last=prefix_last, gap=gap, pq_req=pq_req, pq=pq, counts=counts, n_pending=n_pending,
+            lab_i=lab_i, lab_y=lab_y, zb=zb, ai=ai, af=af)
 
     def run(self, a: int, b: int, out_q: np.ndarray, out_slot: np.ndarray, out_flags: np.ndarray,
             out_pst: np.ndarray) -> None:
@@ -343,14 +396,14 @@ class CompiledArrivals:
         ``out_*[i]`` (the structural rate after it in ``out_pst``)."""
         times = self.arrivals.trace.t
         if self.arrivals.model is not None:
-            self.state.af[STALE_AFTER] = self.arrivals.model.stale_after(self.arrivals.gaps)
+            self._take_gaps()
         i = a
         while True:
             i, why = run(self.state, i, b, times, out_q, out_slot, out_flags, out_pst)
             if why == DONE:
                 return
-            if why == REFIT_DUE or why == STALE:
-                self._refit(float(times[i]), fit=why == REFIT_DUE)
+            if why == FIT_DUE:
+                self._fit(float(times[i]))
             elif why == NEED_ZB:
                 zb = self.arrivals.model.zb_at(i)
                 self.state.zb[:zb.size] = zb
@@ -358,10 +411,22 @@ class CompiledArrivals:
             else:
                 self._grow()
 
+    def _take_gaps(self) -> None:
+        """What the kernel reads of the gaps, which move between windows: when the model is stale, and what its
+        settling computes the survival and the horizons with."""
+        st, model, gaps = self.state, self.arrivals.model, self.arrivals.gaps
+        if not (type(gaps[0]) is LognormalGaps and type(gaps[1]) is LognormalGaps):  # SAECacheTwin.reason
+            raise RuntimeError(f"compiled arrivals: the continuation model's gaps must be log-normal, got "
+                               f"{type(gaps[0]).__name__} and {type(gaps[1]).__name__}")
+        st.af[STALE_AFTER] = model.stale_after(gaps)
+        st.af[MU_CH], st.af[S2_CH] = gaps[0].constants()[:2]
+        st.af[MU_AG], st.af[S2_AG] = gaps[1].constants()[:2]
+        st.af[HORIZON_CH], st.af[HORIZON_AG] = model.horizons(gaps)
+
     def _grow(self) -> None:
         st = self.state
         n = int(st.ai[PQ_N])
-        pq_req, pq = np.zeros(2 * n, dtype=np.int64), np.zeros((2, 2 * n))
+        pq_req, pq = np.zeros(2 * n, dtype=np.int64), np.zeros((3, 2 * n))
         pq_req[:n], pq[:, :n] = st.pq_req[:n], st.pq[:, :n]
         self.state = st._replace(pq_req=pq_req, pq=pq)
 
@@ -372,7 +437,7 @@ class CompiledArrivals:
 
     def _counts_to_model(self) -> None:
         st = self.state
-        self.arrivals.model.set_counts(*st.counts, st.n_pending, st.ai[LAB_N])
+        self.arrivals.model.set_counts(*st.counts, st.n_pending, st.ai[LAB_N], float(st.af[REFIT_T]))
 
     def _pending(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         st = self.state
@@ -380,18 +445,12 @@ class CompiledArrivals:
         live = ~np.isnan(st.pq[PQ_W, :n])
         return st.pq_req[:n][live], st.pq[PQ_T, :n][live], st.pq[PQ_W, :n][live]
 
-    def _refit(self, now: float, fit: bool = True) -> None:
-        """ContinuationModel.update at an arrival where run() found an offer its schedule makes due (``fit``) or the
-        model stale, on the pending arrays and the per-turn counts held here (the model's update_counts, in place)."""
+    def _fit(self, now: float) -> None:
+        """The fit of a due refit whose pending requests the kernel settled (FIT_DUE): the model's beta, on the
+        kept pending requests and their survivals."""
         st, model = self.state, self.arrivals.model
-        pend, t_pend, w_pend = self._pending()
-        keep, soft = model.update_counts(now, self.arrivals.gaps, pend, t_pend, w_pend, st.counts, st.n_pending,
-                                         st.ai[LAB_N], fit=fit, compiled=True)
-        m = soft.size
-        st.pq_req[:m], st.pq[PQ_T, :m], st.pq[PQ_W, :m] = pend[keep], t_pend[keep], soft
-        st.ai[PQ_N] = m
-        st.ai[LAB_N] = model.labelled_count
-        st.af[REFIT_T] = model.last_refit
+        m = int(st.ai[PQ_N])
+        model.fit_settled(now, st.pq_req[:m], st.pq[PQ_S, :m], st.counts[RATES], int(st.ai[LAB_N]))
         if model.zb_block_start < 0:  # the fit moved beta: p asks for a new block
             st.ai[ZB_LEN] = 0
 

@@ -58,14 +58,14 @@ and none while refits come more often than that (early in a trace); late in a lo
 arrivals apart, it fires once per typical gap even where arrivals are dense, and each refresh works through every
 pending request (README, "Decision time": the cost this has on long traces).
 
-Arithmetic. A refit's settling of the pending requests (which ended, their soft weights, the rates' EM steps) is
-:func:`~sae_env.policies.continuation_refit.settle`: numpy, or, under the compiled engine, the same floats as compiled
-loops once the process has spent their load time in numpy (long traces). The gap survival and the Newton steps stay
-numpy here.
+Arithmetic. A refit's settling of the pending requests (their gap survival, which ended, their soft weights, the
+rates' EM steps) is numpy here (:func:`~sae_env.policies.continuation_refit.settle_numpy`); the compiled arrivals
+(:mod:`sae_env.fast_engine.arrivals`) settle in their kernel, the same floats (the survival through libm's ``log``
+and ``erfc`` in both), and hand the Newton steps back (:meth:`fit_settled`), which stay numpy.
 
 Why one piece (~560 lines): the per-turn counts, the pending requests with their soft weights, the labelled buffer and
 the cached feature rows are one state that every arrival, refit and refresh updates together; the hand-over methods
-the compiled arrivals use (``counts`` / ``set_counts`` / ``update_counts`` / ``labelled_buffer`` / ``zb_at``) and the
+the compiled arrivals use (``counts`` / ``set_counts`` / ``fit_settled`` / ``labelled_buffer`` / ``zb_at``) and the
 state contract read and write that same state, so split apart each piece would reach into the others' fields.
 """
 
@@ -78,7 +78,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from sae_env.policies.base import request_array
-from sae_env.policies.continuation_refit import RATES, settle
+from sae_env.policies.continuation_refit import RATES, settle_numpy
 from sae_env.policies.survival import LognormalGaps
 from sae_env.trace import N_TOKEN_TYPES, AppType, TokenType, Trace
 
@@ -458,6 +458,15 @@ class ContinuationModel:
         return self._bucket_a
 
     @property
+    def agent_flags(self) -> np.ndarray:
+        """Whether each request's gaps are the agent queue's (else the chat queue's): bool, read-only view."""
+        return self._agent_a
+
+    def horizons(self, gaps: Sequence[LognormalGaps]) -> tuple[float, float]:
+        """The idle time past which a pending request of the chat, of the agent queue counts as ended."""
+        return gaps[0].upper(self.horizon_sigmas), gaps[1].upper(self.horizon_sigmas)
+
+    @property
     def zb_block_start(self) -> int:
         """The first request of the block of ``z @ beta`` that :meth:`p` reads (-1: none, computed when asked)."""
         return -1 if self._zb is None else self._zb_from
@@ -475,54 +484,47 @@ class ContinuationModel:
                 np.array(self._ended), np.array(self._n_pending, dtype=np.int64), self._lab_n)
 
     def set_counts(self, rates: np.ndarray, alive: np.ndarray, continued: np.ndarray, ended: np.ndarray,
-                   n_pending: np.ndarray, lab_n: int) -> None:
-        """Take back what :meth:`counts` gave, as a compiled copy of :meth:`arrive` left it."""
+                   n_pending: np.ndarray, lab_n: int, last_refit: float) -> None:
+        """Take back what :meth:`counts` gave, as a compiled copy of :meth:`arrive` left it, with the time of the
+        last refit or refresh (:attr:`last_refit`: a compiled copy may settle the pending requests itself)."""
         self._rates, self._alive = rates.tolist(), alive.tolist()
         self._continued, self._ended, self._n_pending = continued.tolist(), ended.tolist(), n_pending.tolist()
         self._lab_n = int(lab_n)
+        self._refit_t = float(last_refit)
 
     def update_pending(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray,
                        w_pend: np.ndarray, fit: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`update` for a caller that keeps the pending requests ``pend`` (arrived at ``t_pend``, soft weights
         ``w_pend``, in arrival order) itself, once :meth:`update_due` said so (``fit``: a refit) or :meth:`stale`
-        did (a refresh): returns which stay pending and their new soft weights."""
+        did (a refresh): the requests that ended are labelled, the rest's soft weights and the rates refitted
+        (:func:`~sae_env.policies.continuation_refit.settle_numpy`), then with ``fit`` the correction. Returns which
+        stay pending and their new soft weights."""
         counts = np.array([self._rates, self._alive, self._continued, self._ended], dtype=np.float64)
         n_pend = np.array(self._n_pending, dtype=np.int64)
-        out = self.update_counts(now, gaps, pend, t_pend, w_pend, counts, n_pend, self._lab_n, fit)
-        self.set_counts(*counts, n_pend, self._lab_n)
-        return out
-
-    def update_counts(self, now: float, gaps: Sequence[LognormalGaps], pend: np.ndarray, t_pend: np.ndarray,
-                      w_pend: np.ndarray, counts: np.ndarray, n_pend: np.ndarray, lab_n: int,
-                      fit: bool = True, compiled: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`update_pending` for a caller that keeps the per-turn counts too (as :meth:`counts` gives them:
-        ``counts`` the rows rates, alive, continued, ended, float64; ``n_pend`` int64), updated here in place, and
-        has appended to the labelled buffer up to ``lab_n`` (:attr:`labelled_count` says how far it reaches after).
-        The requests that ended are labelled, the rest's soft weights and the rates refitted
-        (:func:`~sae_env.policies.continuation_refit.settle`, which may run compiled where the caller says numba
-        already runs: ``compiled``), then with ``fit`` the correction."""
-        k = self.max_turn + 1
-        if counts.shape != (4, k) or counts.dtype != np.float64 or n_pend.shape != (k,) or n_pend.dtype != np.int64:
-            raise ValueError(f"continuation: update_counts takes counts float64 (4, {k}) and n_pend int64 ({k},), got "
-                             f"{counts.dtype} {counts.shape} and {n_pend.dtype} {n_pend.shape}")
-        self._refit_t = now
-        self._lab_n = int(lab_n)
         idle = now - t_pend
         agent = self._agent_a[pend]
         bucket = self._bucket_a[pend]
+        surv = gaps[0].sf_array(idle)
         if agent.any():
-            surv = np.where(agent, gaps[1].sf_array(idle), gaps[0].sf_array(idle))
-        else:
-            surv = gaps[0].sf_array(idle)  # elementwise: the same floats as through np.where, at half the work
-        horizons = (gaps[0].upper(self.horizon_sigmas), gaps[1].upper(self.horizon_sigmas))
-        keep, soft = settle(idle, surv, w_pend, agent, bucket, horizons, counts, n_pend, self.prior, self.end_below,
-                            self.censoring, self.steps, compiled)
+            surv[agent] = gaps[1].sf_array(idle[agent])
+        keep, soft = settle_numpy(idle, surv, w_pend, agent, bucket, self.horizons(gaps), counts, n_pend, self.prior,
+                                  self.end_below, self.censoring, self.steps)
+        self.set_counts(*counts, n_pend, self._lab_n, now)
         if soft.size < pend.size:
             self._record_many(pend[~keep], 0.0)
             pend, surv = pend[keep], surv[keep]
-        if fit and self.features and (self._lab_n or pend.size):
-            self._fit(pend, surv, counts[RATES])
+        if fit:
+            self.fit_settled(now, pend, surv, counts[RATES], self._lab_n)
         return keep, soft
+
+    def fit_settled(self, now: float, pend: np.ndarray, surv: np.ndarray, rates: np.ndarray, lab_n: int) -> None:
+        """The end of a refit at ``now`` once its pending requests are settled (by :meth:`update_pending`, or by a
+        compiled copy of it): ``beta`` fitted on the labelled buffer's first ``lab_n`` entries and the requests
+        ``pend`` still pending (their gap survival ``surv``), with the per-turn ``rates`` as the offset."""
+        self._refit_t = now
+        self._lab_n = int(lab_n)
+        if self.features and (self._lab_n or pend.size):
+            self._fit(pend, surv, rates)
 
     @property
     def labelled_count(self) -> int:

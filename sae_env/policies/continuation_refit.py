@@ -7,15 +7,9 @@ operation in the same order in both (a bucket's sums are added in arrival order,
 ``np.subtract.at`` add them; no fused multiply-add: numba compiles without ``fastmath``), so which one runs never
 changes a decision (``tests/test_continuation_refit.py``).
 
-Why two: on a long trace a refit works through tens of thousands of pending requests, and numpy's dozen passes over
-them (each a temporary array) cost several times one compiled pass; but a compiled function costs a few milliseconds
-to load from numba's disk cache in each process, more than all the refits of a short trace cost in numpy. So a
-process runs :func:`settle` in numpy until the time it has spent there (estimated from the rows) reaches that load
-cost, and compiled from then on: it never pays more than twice the better choice made with hindsight (the ski-rental
-bound), and a short trace never loads the compiled form. Once loaded (by any caller), the compiled form is used at
-once. That load time holds where numba already runs in the process (the compiled engine's kernels have run: 1.3-1.6 ms
-measured here); numba's own start costs 0.4-0.5 s more, so a caller opts in (``compiled=True``) only from the compiled
-engine, and the Python engine's refits stay numpy.
+Why two: the Python engine's model settles in numpy, whole arrays at a time; the compiled arrivals
+(:mod:`sae_env.fast_engine.arrivals`) settle inside their kernel, where numpy's passes (each a temporary array) would
+not run, and a Python round trip per refresh cost more than the settling itself on long traces.
 """
 
 from __future__ import annotations
@@ -25,21 +19,14 @@ import numpy as np
 # numba is optional, as for the compiled engine: without it (AVAILABLE False, jit the identity) every refit runs numpy
 from sae_env.fast_engine.jit import AVAILABLE, jit
 
-__all__ = ["AVAILABLE", "RATES", "ALIVE", "CONTINUED", "ENDED", "LOAD_US", "settle", "settle_loops", "settle_numpy"]
+__all__ = ["AVAILABLE", "RATES", "ALIVE", "CONTINUED", "ENDED", "settle_loops", "settle_numpy"]
 
 RATES, ALIVE, CONTINUED, ENDED = range(4)  # rows of the per-turn counts (float64 [4, turn bucket])
-# Time to load the compiled form from numba's disk cache in a process where numba already runs (measured on one
-# machine: 1.3-1.6 ms, its kernels loaded as sae_env.fast_engine.cache_load loads them; 3.1-3.3 ms there with numba's
-# own loading, 4.6-4.9 ms on an earlier machine), and the numpy form's time per call, estimated from its rows (measured
-# on the same machine, warm: 27-29 us a call with 10-100 rows, 54 us with 1,500, 170 us with 6,000).
-LOAD_US = 1500.0
-_NUMPY_US_PER_CALL, _NUMPY_US_PER_ROW = 27.0, 0.024
-_spent_us = 0.0  # this process's estimated time in the numpy form so far
 
 
-def settle(idle: np.ndarray, surv: np.ndarray, w_pend: np.ndarray, agent: np.ndarray, bucket: np.ndarray,
-           horizons: tuple[float, float], counts: np.ndarray, n_pend: np.ndarray, prior: tuple[float, float],
-           end_below: float, censoring: bool, steps: int, compiled: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def settle_numpy(idle: np.ndarray, surv: np.ndarray, w_pend: np.ndarray, agent: np.ndarray, bucket: np.ndarray,
+                 horizons: tuple[float, float], counts: np.ndarray, n_pend: np.ndarray, prior: tuple[float, float],
+                 end_below: float, censoring: bool, steps: int) -> tuple[np.ndarray, np.ndarray]:
     """Settle the pending requests (one entry each, in arrival order): ``idle`` their idle time, ``surv`` its gap
     survival ``S(idle)``, ``w_pend`` their soft weights, ``agent`` whether they are in the agent queue, ``bucket``
     their turn buckets. A request ends when it has idled past its queue's horizon (``horizons``: chat, agent) or,
@@ -50,25 +37,7 @@ def settle(idle: np.ndarray, surv: np.ndarray, w_pend: np.ndarray, agent: np.nda
 
     ``counts`` (float64 [4, turn bucket]: the rows ``RATES``, ``ALIVE``, ``CONTINUED``, ``ENDED``) and ``n_pend``
     (int64 per turn bucket) are updated in place. Returns which requests stay pending (a bool mask) and their new
-    soft weights. ``compiled``: numba already runs in this process, so the loops may be loaded (module docstring)."""
-    global _spent_us
-    rows = idle.size
-    if compiled and AVAILABLE:
-        if _spent_us >= LOAD_US or settle_loops.signatures:
-            keep = np.empty(rows, dtype=np.bool_)
-            soft = np.empty(rows)
-            m = settle_loops(idle, surv, w_pend, agent, bucket, horizons[0], horizons[1], counts, n_pend, prior[0],
-                             prior[1], end_below, censoring, steps, keep, soft)
-            return keep, soft[:m]
-        _spent_us += _NUMPY_US_PER_CALL + _NUMPY_US_PER_ROW * rows
-    return settle_numpy(idle, surv, w_pend, agent, bucket, horizons, counts, n_pend, prior, end_below, censoring,
-                        steps)
-
-
-def settle_numpy(idle: np.ndarray, surv: np.ndarray, w_pend: np.ndarray, agent: np.ndarray, bucket: np.ndarray,
-                 horizons: tuple[float, float], counts: np.ndarray, n_pend: np.ndarray, prior: tuple[float, float],
-                 end_below: float, censoring: bool, steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`settle` as whole-array numpy."""
+    soft weights."""
     k = n_pend.size
     a, b = prior
     rates, alive, cont, ended = counts[RATES], counts[ALIVE], counts[CONTINUED], counts[ENDED]
@@ -100,7 +69,7 @@ def settle_numpy(idle: np.ndarray, surv: np.ndarray, w_pend: np.ndarray, agent: 
 @jit
 def settle_loops(idle, surv, w_pend, agent, bucket, horizon_chat, horizon_agent, counts, n_pend, a, b, end_below,
                  censoring, steps, keep, soft):
-    """:func:`settle` as loops (compiled where numba is installed): ``keep`` and ``soft`` are filled in (the kept
+    """:func:`settle_numpy` as loops (compiled where numba is installed): ``keep`` and ``soft`` are filled in (the kept
     requests' weights first); returns how many stay pending."""
     k = n_pend.size
     rows = idle.size
