@@ -8,8 +8,7 @@ more than its ``stale_after`` back) settle the pending requests here too: their 
 steps (``settle_loops`` of :mod:`sae_env.policies.continuation_refit`, the same floats as the Python model's numpy
 form). What stays in Python is what numpy's BLAS computes: a refit's Newton steps of the correction ``beta`` and the
 block of ``z @ beta`` that ``p`` reads (1024 requests at a time). :func:`run` stops at the request that needs one of
-them, :class:`CompiledArrivals` does it through the Python model's own methods, and the loop goes on from that
-request. (Refreshes, 435 of the 461 updates on mooncake_synthetic made 16 times longer, never leave the kernel.)
+them, :class:`CompiledArrivals` does it through the Python model's own methods, and the loop goes on from there.
 
 The per-arrival state lives here while the compiled engine holds the replay, as arrays, taken from the Python
 objects through the state contract (``export_state``) and given back the same way (``import_state``); the Python
@@ -171,40 +170,32 @@ def _model_arrive(st, i, now):
 
 @inline
 def _settle(st, now):
-    """ContinuationModel.update_counts up to its fit, on LognormalGaps: the pending requests' survival (libm's log and
+    """ContinuationModel.update_pending up to its fit, on LognormalGaps: the pending requests' survival (libm's log and
     erfc, as LognormalGaps.sf_array), settle_loops, the ended ones recorded in arrival order (_record_many: one
     _record after another); the kept ones stay, compacted, with their new weights and survivals."""
     ai, af, pq, pq_req = st.ai, st.af, st.pq, st.pq_req
+    n = ai[PQ_N]
+    idle, surv = np.empty(n), np.empty(n)
+    agent, bucket = np.empty(n, dtype=np.bool_), np.empty(n, dtype=st.bucket.dtype)
     m = 0
-    for j in range(ai[PQ_N]):  # the live entries (a NaN weight: labelled continued since the last settling)
+    for j in range(n):
         w = pq[PQ_W, j]
-        if w == w:
-            pq_req[m] = pq_req[j]
-            pq[PQ_T, m] = pq[PQ_T, j]
-            pq[PQ_W, m] = w
-            m += 1
-    idle, surv, agent = np.empty(m), np.empty(m), np.empty(m, dtype=np.bool_)
-    bucket = np.empty(m, dtype=st.bucket.dtype)
-    for j in range(m):
-        r = pq_req[j]
-        dt = now - pq[PQ_T, j]
+        if w != w:  # labelled continued since the last settling
+            continue
+        r, dt = pq_req[j], now - pq[PQ_T, j]
+        pq_req[m], pq[PQ_T, m], pq[PQ_W, m] = r, pq[PQ_T, j], w
         ag = st.agent[r]
-        idle[j], agent[j], bucket[j] = dt, ag, st.bucket[r]
-        if dt > 0.0:
-            mu, s2 = (af[MU_AG], af[S2_AG]) if ag else (af[MU_CH], af[S2_CH])
-            surv[j] = 0.5 * math.erfc((math.log(dt) - mu) / s2)
-        else:
-            surv[j] = 1.0
+        idle[m], agent[m], bucket[m] = dt, ag, st.bucket[r]
+        mu, s2 = (af[MU_AG], af[S2_AG]) if ag else (af[MU_CH], af[S2_CH])
+        surv[m] = 0.5 * math.erfc((math.log(dt) - mu) / s2) if dt > 0.0 else 1.0
+        m += 1
     keep, soft = np.empty(m, dtype=np.bool_), np.empty(m)
-    settle_loops(idle, surv, pq[PQ_W, :m], agent, bucket, af[HORIZON_CH], af[HORIZON_AG], st.counts, st.n_pending,
-                 af[PRIOR_A], af[PRIOR_B], af[END_BELOW], ai[CENSORING] != 0, ai[STEPS], keep, soft)
+    settle_loops(idle[:m], surv[:m], pq[PQ_W, :m], agent[:m], bucket[:m], af[HORIZON_CH], af[HORIZON_AG], st.counts,
+                 st.n_pending, af[PRIOR_A], af[PRIOR_B], af[END_BELOW], ai[CENSORING] != 0, ai[STEPS], keep, soft)
     k = 0
     for j in range(m):
         if keep[j]:
-            pq_req[k] = pq_req[j]
-            pq[PQ_T, k] = pq[PQ_T, j]
-            pq[PQ_W, k] = soft[k]
-            pq[PQ_S, k] = surv[j]
+            pq_req[k], pq[PQ_T, k], pq[PQ_W, k], pq[PQ_S, k] = pq_req[j], pq[PQ_T, j], soft[k], surv[j]
             k += 1
         else:
             _record(st, pq_req[j], 0.0)
@@ -412,8 +403,7 @@ class CompiledArrivals:
                 self._grow()
 
     def _take_gaps(self) -> None:
-        """What the kernel reads of the gaps, which move between windows: when the model is stale, and what its
-        settling computes the survival and the horizons with."""
+        """What the kernel reads of the gaps (which move between windows): staleness, survival and horizons."""
         st, model, gaps = self.state, self.arrivals.model, self.arrivals.gaps
         if not (type(gaps[0]) is LognormalGaps and type(gaps[1]) is LognormalGaps):  # SAECacheTwin.reason
             raise RuntimeError(f"compiled arrivals: the continuation model's gaps must be log-normal, got "
@@ -446,8 +436,7 @@ class CompiledArrivals:
         return st.pq_req[:n][live], st.pq[PQ_T, :n][live], st.pq[PQ_W, :n][live]
 
     def _fit(self, now: float) -> None:
-        """The fit of a due refit whose pending requests the kernel settled (FIT_DUE): the model's beta, on the
-        kept pending requests and their survivals."""
+        """A due refit's fit of beta, once the kernel settled its pending requests (FIT_DUE)."""
         st, model = self.state, self.arrivals.model
         m = int(st.ai[PQ_N])
         model.fit_settled(now, st.pq_req[:m], st.pq[PQ_S, :m], st.counts[RATES], int(st.ai[LAB_N]))
