@@ -528,7 +528,8 @@ def test_the_scans_lower_bound_holds_over_its_interval(mu, sigma, p, horizon, dt
 
 def test_the_scans_lower_bound_is_close_where_it_is_used():
     """Not vacuous: on a typical block (gaps of median 60 s, a horizon of 10 minutes) the bound over a thirty-second
-    of the horizon is within 30 % of the score, young or old (within 5 % once idle for the horizon)."""
+    of the horizon is within 30 % of the score, young or old (within 7 % once idle for the horizon: 6.3 % there, the
+    survival's fall over the interval, S(dt + H) - S(dt_b + H), that the bound gives away)."""
     from sae_env.fast_engine.saecache import BOUND_SPAN, density_and_bound
     from sae_env.policies.survival import LognormalGaps
 
@@ -536,7 +537,10 @@ def test_the_scans_lower_bound_is_close_where_it_is_used():
     density = getattr(density_and_bound, "py_func", density_and_bound)
     for dt in (1.0, 30.0, 600.0, 7200.0):
         score, bound = density(*gaps.constants(), 0.6, dt, 600.0, dt + BOUND_SPAN * 600.0)
-        assert (0.95 if dt >= 600 else 0.7) * score < bound <= score
+        assert (0.93 if dt >= 600 else 0.7) * score < bound <= score
+        if dt >= 600:  # the density itself moves by under 5 % over the 32nd (1.2 % over the clock's 128th step)
+            assert gaps.density(0.6, dt + BOUND_SPAN * 600.0, 600.0) > 0.95 * score
+            assert gaps.density(0.6, dt + 600.0 / 128, 600.0) > 0.985 * score
 
 
 

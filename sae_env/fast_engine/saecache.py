@@ -370,18 +370,20 @@ def density_and_bound(mu, s2, mean, shift, p, dt, horizon, dt_b):
 def _bound(mu, s2, mean, p, horizon, s_now, s_end, alive, dt_b):
     """A lower bound on the hit density over the idle times ``[dt, dt_b]``, from its parts at ``dt`` (``s_now``,
     ``s_end``: the survival at ``dt`` and ``dt + horizon``; ``alive``: the expected time alive within the horizon,
-    unconditioned) and two survivals more.
+    unconditioned) and one survival more.
 
     The density is ``p D / (p M + (1 - p) H)`` (the ``pi`` and ``1 - pi`` of LognormalGaps.density cancel), with
     ``D(t) = S(t) - S(t + H)`` the chance of a return within the horizon and ``M(t)`` the integral of ``S`` over
-    ``[t, t + H]``. ``M`` falls with ``t`` (its derivative is ``S(t + H) - S(t)``). ``D``'s derivative ``g(t + H) -
-    g(t)`` changes sign once for a unimodal gap density ``g`` (the log-normal's), so ``D`` rises, then falls, and is at
-    least ``min(D(dt), D(dt_b))`` in between. Hence the density is at least ``p min(D(dt), D(dt_b)) / (p M(dt) + (1 -
-    p) H)`` over the interval: exact, not an estimate, whatever the shape of the density itself."""
+    ``[t, t + H]``. ``M`` falls with ``t`` (its derivative is ``S(t + H) - S(t)``), and ``S`` falls, so on the
+    interval ``D(t) >= S(dt_b) - S(dt + H)``. Hence the density is at least ``p (S(dt_b) - S(dt + H)) / (p M(dt) +
+    (1 - p) H)`` there: exact, for any gap distribution (_emp_density's bound is the same). ``min(D(dt), D(dt_b))``,
+    which the log-normal's unimodal density allows, is tighter by ``S(dt + H) - S(dt_b + H)``; it skipped the same
+    groups but for 0.03 % of the scores on mooncake_arxiv made 16 times longer (0.9 % on mooncake_synthetic), at a
+    logarithm and an ``erfc`` more for every score."""
     s_b = 0.5 * math.erfc((math.log(dt_b) - mu) / s2)
     if s_b < 1e-290:  # the density may be cut to 0 within the interval
         return 0.0
-    d = min(s_now - s_end, s_b - 0.5 * math.erfc((math.log(dt_b + horizon) - mu) / s2))
+    d = s_b - s_end
     # Where the scores' own floats lose digits, no bound (0): D a difference of survivals a millionth apart, a horizon
     # a millionth of the times that alive_time's differences cancel, or the product pi * D subnormal.
     if not (d > 1e-6 * s_now and horizon > 1e-6 * (mean + dt_b) and p * s_b * d > 1e-280):

@@ -143,7 +143,7 @@ _COMPACT_MIN = 1 << 18  # released blocks before the first compaction of the rec
 # multiple of ``CLOCK_STEP * horizon``, so every eviction within one step sees the same scores and a scan at the step's
 # first eviction serves the rest (only groups something joined or left are scanned again). A block's score then lags its
 # true value by at most this much idle time; under the hit density that moves it by about 1 % once it has been idle for
-# a horizon (a bound computed over a 32nd of the horizon is within 5 % of the score there: tests of the compiled scan),
+# a horizon (it falls by under 5 % over a 32nd of the horizon there: tests of the compiled scan's bound),
 # less than the online gap and continuation estimates it rests on can tell apart. A first-principles resolution, not a
 # fit to a trace (README, "Decision time": what it changes in hits and in time).
 CLOCK_STEP = 1.0 / 128
