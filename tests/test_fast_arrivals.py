@@ -149,6 +149,7 @@ def spied_reference(trace: Trace, **options) -> tuple[Arrivals, list[tuple[float
 
 
 def runs(values: list[float]) -> list[float]:
+    """``values`` with each run of equal neighbours kept once (a time recorded after every request)."""
     return [v for k, v in enumerate(values) if k == 0 or v != values[k - 1]]
 
 
@@ -158,8 +159,8 @@ def test_the_compiled_arrivals_settle_where_the_model_refits_and_hand_back_only_
     """run() counts the update offers itself and settles the pending requests where the model refits: at the offers
     its ``update_due`` says yes to (every offer at growth 0, 10 of mooncake_synthetic's 62 at 0.5) and, with
     ``timed_refit``, at the arrivals that find its last refit more than ``stale_after`` back: the same refits as
-    the Python arrivals, at the same requests, and as the rule restated. Under log-normal gaps it settles them in
-    the kernel (a refresh never leaves it) and hands back to Python only the due refits' fits of beta."""
+    the Python arrivals, at the same requests, and as the rule restated. It settles them in the kernel (a refresh
+    never leaves it) and hands back to Python only the due refits' fits of beta."""
     trace, _ = open_trace("mooncake_synthetic")
     ref, ref_refits = spied_reference(trace, refit_growth=growth, timed_refit=timed)
     fast = arrivals_for(trace, refit_growth=growth, timed_refit=timed)
