@@ -117,8 +117,8 @@ def print_criteria(rows: list[dict[str, Any]], cpu: dict[str, dict[str, float]],
             if r.get("seed") is not None:
                 seeded.setdefault((_where(r), r["capacity"]), []).append(margin(r["token_hit_rate"], who))
         if any(len(m) > 1 for m in seeded.values()):
-            means = [sum(m) / len(m) for r in wide for m in [seeded.get((_where(r), r["capacity"]), [])] if m] + \
-                [margin(r["token_hit_rate"], who) for r in wide if (_where(r), r["capacity"]) not in seeded]
+            seed_means = {cell: sum(m) / len(m) for cell, m in seeded.items()}
+            means = [seed_means.get((_where(r), r["capacity"]), margin(r["token_hit_rate"], who)) for r in wide]
             n = max(len(m) for m in seeded.values())
             print(f"- the same cells, each whose gaps a seed draws at its mean over the seeds ({n}): "
                   f"{sum(means) / len(means):+.2f}")

@@ -504,9 +504,12 @@ class ContinuationModel:
         idle = now - t_pend
         agent = self._agent_a[pend]
         bucket = self._bucket_a[pend]
-        surv = gaps[0].sf_array(idle)
-        if agent.any():
+        if agent.any():  # each request's survival under its own queue's gaps, computed once
+            surv = np.empty(idle.size)
+            surv[~agent] = gaps[0].sf_array(idle[~agent])
             surv[agent] = gaps[1].sf_array(idle[agent])
+        else:
+            surv = gaps[0].sf_array(idle)
         keep, soft = settle_numpy(idle, surv, w_pend, agent, bucket, self.horizons(gaps), counts, n_pend, self.prior,
                                   self.end_below, self.censoring, self.steps)
         self.set_counts(*counts, n_pend, self._lab_n, now)
