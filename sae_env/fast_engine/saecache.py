@@ -80,7 +80,7 @@ import numpy as np
 from sae_env.fast_engine import treap as tp
 from sae_env.fast_engine.arrivals import ARRIVALS, compiled, slot_of
 from sae_env.fast_engine.jit import implements, inline, jit
-from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QUEUE
+from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QUEUE, N
 from sae_env.fast_engine.treap import GROUP, STAMP, WHERE
 from sae_env.fast_engine.twin import Twin, register
 from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, REFIT_EVERY, ST, slot_p
