@@ -14,14 +14,11 @@ One question mixes both: under ``rebin`` a refit moves each evictable chat or ag
 request as the model sees that request at the refit. The model's answer must be the Python policy's, to the last
 bit, and the question (which requests released the cached blocks) depends on the cache. So the twin, running the
 arrivals ahead, keeps what the answer needs from the model as each rebinning refit leaves it (its per-turn rates and
-``beta``: a row each), and the kernel computes ``ContinuationModel.p_many`` itself (_p_now: the same operations,
-libm's log and exp) from every request's turn bucket and feature row (copied at load), and moves the blocks
-(_rebin_blocks: the evictable chat and agent blocks are found from their groups' ranges of the treap, not among all
-slots). Each block keeps its releasing request (``relby``). The Python policy asks the model about every request
-that released a cached block; the kernel asks a request only when one of its blocks is looked at (an evictable one
-at the rebinning, a parked one when it returns), under the last rebinning's row, and memoises the answer (the
-requests whose ``bmark`` is the current one): the same answers, at a cost in proportion to the evictable blocks
-rather than to the cache (_rebinned says why they agree).
+``beta``: a row each), and the kernel, at that refit, computes ``ContinuationModel.p_many`` itself (_p_now: the same
+operations, libm's log and exp) for the requests that released the cached blocks, from every request's turn bucket
+and feature row (copied at load), and moves the blocks (_rebin_blocks: the evictable chat and agent blocks are
+found from their groups' ranges of the treap, not among all slots). Each block keeps its releasing request
+(``relby``); the bins of the last rebinning are the requests whose ``bmark`` is the current one.
 
 Under ``empirical_gaps`` each refit rebuilds the chat and agent queues' gap distributions from the gaps completed so
 far (survival.EmpiricalGaps). The twin runs the window's arrivals ahead (in pieces that end at each rebinning under
@@ -121,11 +118,10 @@ BOUND_MARGIN = 1.0 - 1e-6
 # plus one (a request's bin is current when its bmark is this), the model's row the next rebinning reads (rbr, rbb:
 # counted from 0 in each window, as Twin.prepare writes them), whether the model has features (continuation.features);
 # empirical_gaps: whether it is on, and the row of tables (emp) the scores read now (0 at a window's start, one more at
-# each refit); rebin again: the releases before the last rebinning (a block whose release stamp is at most this was
-# cached then, and its request asked), and whether the last rebinning's row of the model is kept (rbr[-1], rbb[-1]).
+# each refit).
 SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
     MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED, REBIN, COMPLETING, \
-    RB_MARK, RB_NEXT, RB_FEAT, EMP, EMP_ROW, RB_SEQ, RB_ROW = range(33)
+    RB_MARK, RB_NEXT, RB_FEAT, EMP, EMP_ROW = range(31)
 NOT_RELEASED = -2  # rebin: a slot's releasing request when none (-1: released before any completion)
 # gap_mixture: a queue's row of tables where BIC kept the learners' log-normal (its survival row starts below 0: the
 # kernel scores that queue by the log-normal's closed form, as the Python policy does)
@@ -187,9 +183,8 @@ class SAEState(NamedTuple):
     sf: np.ndarray
     # rebin (one entry each when off): the request that last released each slot's block (NOT_RELEASED: none); per
     # request, its bin at the last rebinning that asked about it and that rebinning (RB_MARK: the last one, whose
-    # bins are those of SAECachePolicy._bin_now asked so far: see _rebinned); what the model's answer needs: per
-    # request, its turn bucket and feature row; per rebinning refit of the window, the model's rates and beta after
-    # that arrival, and in the last row those of the last rebinning (kept across windows)
+    # bins are SAECachePolicy._bin_now); what the model's answer needs: per request, its turn bucket and feature row;
+    # per rebinning refit of the window, the model's rates and beta after that arrival
     relby: np.ndarray  # int32 per slot
     bslot: np.ndarray  # int8 per request
     bmark: np.ndarray  # int64 per request
@@ -292,37 +287,23 @@ def _return(ps, rec, s):
             return
         rec[s, STAMP] = -rec[s, STAMP]
     elif ps.si[REBIN] and (rec[s, QUEUE] == CH or rec[s, QUEUE] == AG):
-        rec[s, GROUP] = _current_group(ps, rec, s, rec[s, STAMP])  # a parked block: its request's last bin
+        rec[s, GROUP] = _current_group(ps, rec, s)  # a parked block takes its request's bin of the last rebinning
     _add(ps, rec, s, 2)
     ps.gi[G_DIRTY, rec[s, GROUP]] = 1
 
 
 @inline
-def _current_group(ps, rec, s, stamp):
+def _current_group(ps, rec, s):
     """SAECachePolicy._group of a chat or agent block under rebin: its group at release (or at its last move), in
-    the bin its releasing request had at the last rebinning if that request was asked then (``stamp``: the block's
-    release stamp)."""
-    rows = ps.rbr.shape[0] - 1
-    return _rebinned(rec[s, GROUP], ps.relby[s], stamp, ps.bmark, ps.bslot, ps.si[RB_MARK], ps.si[RB_SEQ],
-                     ps.si[RB_ROW], ps.rbr[rows], ps.rbb[rows], ps.rbucket, ps.rz, ps.si[RB_FEAT])
+    the bin its releasing request had at the last rebinning if that request was asked then."""
+    return _rebinned(rec[s, GROUP], ps.relby[s], ps.bmark, ps.bslot, ps.si[RB_MARK])
 
 
 @inline
-def _rebinned(g, r, stamp, bmark, bslot, mark, rb_seq, has_row, rates, beta, bucket, z, features):
-    """_current_group of a block in group ``g`` released by request ``r`` at release stamp ``stamp``, from the arrays
-    themselves (a loop that reads the state's fields each time runs about three times slower). The Python policy asks
-    the model, at each rebinning, about every request that released a cached chat or agent block; here a request is
-    asked when one of its blocks is first looked at after the rebinning (its bin then memoised in bslot and bmark),
-    under the model as that rebinning left it (``rates``, ``beta``). The two ask about the same requests, as each
-    request releases its blocks once (at its completion): a cached block released before the rebinning (its stamp at
-    most ``rb_seq``) was cached then, with the same releasing request, and no block of a request released after it
-    was."""
-    if g >= 0 and r >= 0:
-        if bmark[r] != mark:
-            if not has_row or stamp > rb_seq:
-                return g
-            bmark[r] = mark
-            bslot[r] = slot_of(_p_now(rates, beta, bucket, z, features, r))
+def _rebinned(g, r, bmark, bslot, mark):
+    """_current_group of a block in group ``g`` released by request ``r``, from the arrays themselves (a loop that
+    reads the state's fields each time runs about three times slower)."""
+    if g >= 0 and r >= 0 and bmark[r] == mark:
         g += (bslot[r] - g % N_GROUPS // GROUP_SLOT) * GROUP_SLOT
     return g
 
@@ -338,16 +319,12 @@ class Sets(NamedTuple):
     relby: np.ndarray
     bslot: np.ndarray
     bmark: np.ndarray
-    rbucket: np.ndarray
-    rz: np.ndarray
-    rbr: np.ndarray
-    rbb: np.ndarray
 
 
 @inline
 def sets(ps):
     """The Sets of state ``ps`` (the same arrays)."""
-    return Sets(ps.root, ps.gi, ps.si, ps.relby, ps.bslot, ps.bmark, ps.rbucket, ps.rz, ps.rbr, ps.rbb)
+    return Sets(ps.root, ps.gi, ps.si, ps.relby, ps.bslot, ps.bmark)
 
 
 @jit
@@ -731,35 +708,31 @@ def _p_now(rates, beta, bucket, z, features, r):
 
 
 @jit
-def _rebin_blocks(ps, rec, k):
+def _rebin_blocks(ps, rec, n, k):
     """SAECachePolicy._rebin_blocks: every evictable chat or agent block moves to its current group
     (_current_group: in the bin of its releasing request's probability under the model's row ``k``, the model as
-    this arrival left it, kept as the last rebinning's row) and into its group's list, as the Python policy rebuilds
-    its lists. The requests are asked as their blocks are looked at (_rebinned), so a rebinning costs in proportion
-    to the evictable blocks, not to the cache (parked blocks take their bin when they return). Only the blocks whose
+    this arrival left it) and into its group's list, as the Python policy rebuilds its lists. Only the blocks whose
     place changes move, and only their groups' candidates are searched again; the treap's order is the lists' order,
     so nothing else is needed. A rare call (every REFIT_EVERY arrivals): compiled apart, not inlined into the
     kernel. Its loops read the state's arrays from locals (see _rebinned)."""
     _flush(ps, rec)
-    si = ps.si
-    si[NEXT_UP] = -1
+    ps.si[NEXT_UP] = -1
     relby, bmark, bslot = ps.relby, ps.bmark, ps.bslot
     released = False
-    for s in range(relby.size):  # (ends at the first released block: the cache's first slots, nearly always)
+    for s in range(n):
         if relby[s] != NOT_RELEASED:
             released = True
             break
     if not released:  # as the Python policy: its dict of releasing requests is empty, nothing moves
         return
-    last = ps.rbr.shape[0] - 1
-    ps.rbr[last] = ps.rbr[k]
-    ps.rbb[last] = ps.rbb[k]
-    mark = si[RB_MARK] + 1
-    si[RB_MARK] = mark
-    si[RB_SEQ] = si[SEQ]
-    si[RB_ROW] = 1
-    rates, beta, bucket, z, features = ps.rbr[last], ps.rbb[last], ps.rbucket, ps.rz, si[RB_FEAT]
-    seq = si[SEQ]
+    mark = ps.si[RB_MARK] + 1  # the releasing requests of the cached blocks (of slots 0 .. n-1), each asked once
+    ps.si[RB_MARK] = mark
+    rates, beta, bucket, z, features = ps.rbr[k], ps.rbb[k], ps.rbucket, ps.rz, ps.si[RB_FEAT]
+    for s in range(n):
+        r = relby[s]
+        if r >= 0 and bmark[r] != mark:
+            bmark[r] = mark
+            bslot[r] = slot_of(_p_now(rates, beta, bucket, z, features, r))
     # the evictable chat and agent blocks, from their groups' ranges of the treap (on mooncake_synthetic at 10 %,
     # 70 of 4,015 slots): gathered first, as the moves reshape the treap
     gi, gl, root = ps.gi, ps.gl, ps.root
@@ -783,8 +756,7 @@ def _rebin_blocks(ps, rec, k):
         raise RuntimeError("saecache twin: the groups' counts disagree with the treap")
     for i in range(m):
         s = members[i]
-        g = _rebinned(rec[s, GROUP], relby[s], rec[s, STAMP], bmark, bslot, mark, seq, 1, rates, beta, bucket, z,
-                      features)
+        g = _rebinned(rec[s, GROUP], relby[s], bmark, bslot, mark)
         if g != rec[s, GROUP] or rec[s, WHERE] != 1:
             for t in range(2):  # both groups' candidates searched again (so _remove and _add leave them alone)
                 h = rec[s, GROUP] if t == 0 else g
@@ -794,15 +766,6 @@ def _rebin_blocks(ps, rec, k):
             rec[s, GROUP] = g
             _add(ps, rec, s, 1)
     ps.si[STALE] = 1
-
-
-@jit
-def _ask_all(ps, rec, n):
-    """The releasing request of every cached block (slots 0 .. n-1) asked as _rebinned would ask it: the requests the
-    Python policy asked at the last rebinning, all at once (for an exported state)."""
-    for s in range(n):
-        if ps.relby[s] >= 0 and rec[s, STAMP] != 0:
-            _current_group(ps, rec, s, rec[s, STAMP])
 
 
 # -- hooks -------------------------------------------------------------------------------------------------------
@@ -828,7 +791,7 @@ def _request(ps, c, j, now):
         if f & REBIN_AT:
             k = si[RB_NEXT]
             si[RB_NEXT] = k + 1
-            _rebin_blocks(ps, c.rec, k)
+            _rebin_blocks(ps, c.rec, c.sc[N], k)
         if si[EMP]:  # SAECachePolicy._empirical_gaps: the next row of tables, built by Twin.prepare
             si[EMP_ROW] += 1
         _changed(ps)
@@ -954,12 +917,12 @@ def _take(ps, c, v):
     rec[v, STAMP] = 0
     group = rec[v, GROUP]
     if si[REBIN]:
-        group = _current_group(ps, rec, v, stamp)  # SAECachePolicy._take: a parent the shortcut took never returned
+        group = _current_group(ps, rec, v)  # SAECachePolicy._take: a parent the shortcut took never returned
         ps.relby[v] = NOT_RELEASED
     p = rec[v, PARENT]
     if p >= 0 and rec[p, QUEUE] == q:
         if q == CH or q == AG:  # rebin: the parent's group if it returned now
-            same = (_current_group(ps, rec, p, rec[p, STAMP]) if si[REBIN] else rec[p, GROUP]) == group
+            same = (_current_group(ps, rec, p) if si[REBIN] else rec[p, GROUP]) == group
         else:  # a sampled structural group weighs each block's offset: its parent scores apart
             same = not (q == ST and si[SAMPLED]) and (not si[TYPED] or rec[p, BTYPE] == rec[v, BTYPE])
         if same:
@@ -1037,7 +1000,7 @@ class SAECacheTwin(Twin):
         win_t0, has_t0 = _opt(state["window_t0"])
         cand_now, cand_ok = _opt(state["cand_now"])
         sampled = not sw["density"] or sw["position_decay"]  # as SAECachePolicy._st_sampled
-        si = np.zeros(33, dtype=np.int64)
+        si = np.zeros(31, dtype=np.int64)
         si[LAST_G], si[REBIN], si[COMPLETING], si[EMP] = -1, sw["rebin"], -1, _shaped(sw)
         si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
             TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, VALUED]] = [
@@ -1133,7 +1096,7 @@ class SAECacheTwin(Twin):
                     "rbb": np.zeros((1, 1))}
         model = self.arrivals.model
         features = model.features
-        rows = m // (REFIT_EVERY * self.policy.rebin_every) + 2  # and the last rebinning's (kept across windows)
+        rows = m // (REFIT_EVERY * self.policy.rebin_every) + 1
         return {"rbucket": np.asarray(model.turn_buckets, dtype=np.int32),
                 "rz": model.feature_rows(slice(0, m)) if features else np.zeros((1, 1)),
                 "rbr": np.zeros((rows, model.rates.size)), "rbb": np.zeros((rows, model.beta.size))}
@@ -1275,15 +1238,13 @@ class SAECacheTwin(Twin):
                 "inflight_slot": ps.req[R_SLOT, inflight].astype(np.int64), **self._python_arrivals().export_state(),
                 **({"offset": np.where(queue == ST, ps.offset[:n], 0.0)} if self.policy.switches["position_decay"]
                    else {}),
-                **(self._rebin_state(n, core.rec) if self.policy.switches["rebin"] else {}),
+                **(self._rebin_state(n) if self.policy.switches["rebin"] else {}),
                 **({"empirical_used": np.array(self._emp_now[1], dtype=np.int64), "mixture_prior": self._emp_now[2]}
                    if _shaped(self.policy.switches) else {})}
 
-    def _rebin_state(self, n: int, rec: np.ndarray) -> dict[str, np.ndarray]:
+    def _rebin_state(self, n: int) -> dict[str, np.ndarray]:
         ps = self.state
-        _ask_all(ps, rec, n)  # the requests of cached blocks the Python policy asked at the last rebinning
-        by = np.unique(ps.relby[:n][(ps.relby[:n] >= 0) & (rec[:n, STAMP] != 0)])
-        asked = by[ps.bmark[by] == ps.si[RB_MARK]]
+        asked = np.flatnonzero(ps.bmark == ps.si[RB_MARK])
         return {"released_by": np.maximum(ps.relby[:n], -1).astype(np.int64), "rebin_requests": asked.astype(np.int64),
                 "rebin_bins": ps.bslot[asked].astype(np.int64)}
 

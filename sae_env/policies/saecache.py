@@ -984,11 +984,8 @@ class SAECachePolicy(EvictionPolicy):
         if self._rebin:
             by, bins = self._released_by, self._bin_now
             out["released_by"] = block_array(blocks, index, by.get, default=-1)
-            # the bins that can still be read: those of requests whose blocks are cached (a request releases its
-            # blocks once, so one whose blocks are all gone is never asked about again)
-            asked = sorted(bins.keys() & set(by.values()))
-            out["rebin_requests"] = np.array(asked, dtype=np.int64)
-            out["rebin_bins"] = np.array([bins[r] for r in asked], dtype=np.int64)
+            out["rebin_requests"] = np.fromiter(bins.keys(), dtype=np.int64, count=len(bins))
+            out["rebin_bins"] = np.fromiter(bins.values(), dtype=np.int64, count=len(bins))
         if self.switches["position_decay"]:  # a structural block's relative offset (unused otherwise)
             out["offset"] = block_array(blocks, index, lambda b: b.pdata if b.queue == ST else None, np.float64)
         if self._empirical:  # the gaps the ranking's distributions were built from (each queue's first n)
