@@ -259,8 +259,9 @@ def test_parameters_set_between_windows_agree():
     assert_same_windows(*runs)
 
 
-# rebin (SAECachePolicy._rebin_blocks): every REFIT_EVERY arrivals the kernel computes the model's probabilities of the
-# cached blocks' releasing requests from the rates and beta the twin kept at that arrival, and moves the blocks.
+# rebin (SAECachePolicy._rebin_blocks): at the refits (every REFIT_EVERY arrivals) where the continuation model has moved
+# by rebin_move since the last rebinning, the kernel computes the model's probabilities of the cached blocks' releasing
+# requests from the rates and beta the twin kept at that arrival, and moves the blocks.
 REBIN = {"continuation": True, "density": True, "rebin": True}
 
 
@@ -276,13 +277,13 @@ def refit_every_3():
 @settings(max_examples=40, deadline=None, report_multiple_bugs=False)
 @given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 7),
        ghosts=st.sampled_from([None, 0, 2]), outputs=st.booleans(), timed=st.booleans(), options=switches,
-       every=st.sampled_from([1, 1, 2]))
-def test_session_traces_agree_with_rebin(trace, capacity, window, ghosts, outputs, timed, options, every):
+       every=st.sampled_from([1, 1, 2]), move=st.sampled_from([0.0, 0.25, 0.25, 1.0]))
+def test_session_traces_agree_with_rebin(trace, capacity, window, ghosts, outputs, timed, options, every, move):
     """A refit every 3 arrivals, so that these short traces rebin many times, instant and timed, at every refit or
-    every other one (rebin_every)."""
+    every other one (rebin_every), wherever the model moved by any amount or by a quarter or a whole logit."""
     with refit_every_3():
         py, fast = both(trace, capacity, {"preset": SERVER, "token_budget": 16} if timed else None,
-                        options={**options, **REBIN, "rebin_every": every}, window_requests=window,
+                        options={**options, **REBIN, "rebin_every": every, "rebin_move": move}, window_requests=window,
                         ghost_capacity=ghosts, cache_outputs=outputs)
     assert_same_windows(py, fast)
 
@@ -400,6 +401,9 @@ def test_embedded_real_traces_agree_with_rebin(trace_name):
     every = Replay(trace, PrefixCache(capacity, make_policy("saecache", **REBIN)), window_requests=200)
     every.run()
     assert [w.hit_blocks for w in every.windows] != [w.hit_blocks for w in fast.windows]
+    # at any move of the model (rebin_move=0: every refit here): the same on both engines
+    py, fast = both(trace, capacity, options={**REBIN, "rebin_move": 0.0}, window_requests=200)
+    assert_same_windows(py, fast)
 
 
 @pytest.mark.slow

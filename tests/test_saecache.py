@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from unittest.mock import patch
 
 import numpy as np
@@ -994,6 +995,71 @@ def test_rebin_every_is_a_whole_number_of_refits():
     for bad in (0, -1, True, 1.5, "2"):
         with pytest.raises(ValueError, match="rebin_every"):
             make_policy("saecache", rebin=True, rebin_every=bad)
+
+
+def test_rebin_move_is_a_number_of_logits():
+    for bad in (-0.1, -math.inf, math.nan, True, "0.25", None):
+        with pytest.raises(ValueError, match="rebin_move"):
+            make_policy("saecache", rebin=True, rebin_move=bad)
+    assert make_policy("saecache", rebin=True, rebin_move=0).rebin_move == 0.0
+
+
+def test_the_model_moved_once_beta_changes_or_a_rate_moves_past_the_step():
+    """model_moved, the trigger both engines read: any change of beta, or some turn's rate (bucket 0 unused) moved by
+    more than the step on the logit scale, with the rates clipped as the model's p clips them."""
+    from sae_env.policies.arrivals import REBIN_MOVE, model_moved
+    from sae_env.policies.continuation import P_CLIP
+
+    rates, beta = np.array([0.5, 0.2, 0.7, 0.9]), np.zeros(3)
+    logit = lambda p: math.log(p / (1 - p))  # noqa: E731
+    expit = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    assert model_moved(rates, beta, None, REBIN_MOVE)  # the first refit always rebins
+    assert not model_moved(rates, beta, (rates.copy(), beta.copy()), REBIN_MOVE)
+    assert model_moved(rates, beta + np.array([0, 1e-12, 0]), (rates, beta), REBIN_MOVE)
+    for k in (1, 2, 3):
+        for step, moved in ((0.9 * REBIN_MOVE, False), (1.1 * REBIN_MOVE, True), (-1.1 * REBIN_MOVE, True)):
+            now = rates.copy()
+            now[k] = expit(logit(rates[k]) + step)
+            assert model_moved(now, beta, (rates, beta), REBIN_MOVE) is moved, (k, step)
+    now = rates.copy()
+    now[0] = 0.99  # bucket 0 is unused
+    assert not model_moved(now, beta, (rates, beta), REBIN_MOVE)
+    low = rates.copy()
+    low[1] = P_CLIP / 10
+    lower = rates.copy()
+    lower[1] = P_CLIP / 1000  # both clip to P_CLIP: no move
+    assert not model_moved(lower, beta, (low, beta), REBIN_MOVE)
+    assert model_moved(rates, beta, (rates, beta), -1.0)  # below 0 every refit rebins, moved or not (the reference)
+
+
+def test_rebin_move_zero_rebins_as_every_refit_did_and_the_default_skips_refits():
+    """rebin_move=0 skips only refits after which the model has not moved at all, where a rebinning would find every
+    bin as it was: the same decisions as rebinning at every refit. The default step skips refits on a real trace
+    (once its rates settle) and still moves blocks."""
+    trace = open_trace("mooncake_synthetic")[0]
+    cap = resolve_capacity(0.1, trace.distinct_blocks())
+    done = []
+    inner = SAECachePolicy._rebin_blocks
+
+    def counting(self):
+        done.append(self.arrivals.arrivals)
+        inner(self)
+
+    def hits(move, always=False):
+        done.clear()
+        policy = SAECachePolicy(rebin=True, rebin_move=move)
+        with patch.object(SAECachePolicy, "_rebin_blocks", counting), \
+                patch.object(saecache, "model_moved", lambda *a: True) if always else nullcontext():
+            r = Replay(trace, PrefixCache(cap, policy), window_requests=200, engine="python")
+            r.run()
+        return [h for w in r.windows for h in w.hits_per_request], len(done)
+
+    every, n_every = hits(0.0, always=True)
+    zero, n_zero = hits(0.0)
+    assert zero == every and n_zero <= n_every == len(trace) // 64
+    default, n_default = hits(saecache.REBIN_MOVE)
+    assert n_default < 3 * n_every // 4 and default != every  # 34 of 62
+    assert default != hits(math.inf)[0]  # it still rebins after the first refit (math.inf: the first refit only)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

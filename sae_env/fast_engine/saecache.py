@@ -80,7 +80,7 @@ from sae_env.fast_engine.jit import implements, inline, jit
 from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QUEUE, N
 from sae_env.fast_engine.treap import GROUP, STAMP, WHERE
 from sae_env.fast_engine.twin import Twin, register
-from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, REFIT_EVERY, ST, slot_p
+from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, REFIT_EVERY, ST, model_moved, rebin_last, slot_p
 from sae_env.policies.continuation import P_CLIP
 from sae_env.policies.saecache import (
     GROUP_SLOT,
@@ -1045,6 +1045,7 @@ class SAECacheTwin(Twin):
             self.state.relby[:n] = np.where(by >= 0, by, NOT_RELEASED)
             asked = np.asarray(state["rebin_requests"], dtype=np.int64)
             self.state.bslot[asked], self.state.bmark[asked] = state["rebin_bins"], 1
+        self._rebin_last = rebin_last(state) if sw["rebin"] else None  # SAECachePolicy._rebin_last
         if sampled and "offset" in state:
             self.state.offset[:n] = state["offset"]
         self.compiled = compiled(arrivals)  # the per-arrival state, as arrays (None: Python arrivals)
@@ -1120,20 +1121,26 @@ class SAECacheTwin(Twin):
         self._emp_rows(rows)
 
     def _arrive_rebinning(self, a: int, b: int, gaps: bool) -> np.ndarray | None:
-        """_arrive in pieces that end at each rebinning refit (rebin), keeping the model's rates and beta there."""
+        """_arrive in pieces that end at each refit that may rebin (rebin), keeping the model's rates and beta where it
+        has moved enough to (SAECachePolicy._model_moved)."""
         ps = self.state
         done = self.compiled.state.ai[ARRIVALS] if self.compiled is not None else self.arrivals.arrivals
         every = REFIT_EVERY * self.policy.rebin_every
         ps.si[RB_NEXT] = 0
-        x, parts = a, []
-        for k, y in enumerate(range(a + (-(done + 1)) % every, b, every)):  # request i is arrival done + 1 + i - a
+        x, parts, k = a, [], 0
+        for y in range(a + (-(done + 1)) % every, b, every):  # request i is arrival done + 1 + i - a
             parts.append(self._arrive(x, y + 1, gaps))
+            x = y + 1
             if not ps.req[R_FLAGS, y] & REFIT:
                 raise RuntimeError(f"saecache twin: a rebinning at request {y}, which does not refit")
+            rates = np.array(self.compiled.rates if self.compiled is not None else self.arrivals.model.rates)  # a copy
+            beta = self.arrivals.model.beta.copy()
+            if not model_moved(rates, beta, self._rebin_last, self.policy.rebin_move):
+                continue
+            self._rebin_last = (rates, beta)
             ps.req[R_FLAGS, y] |= REBIN_AT
-            ps.rbr[k] = self.compiled.rates if self.compiled is not None else self.arrivals.model.rates
-            ps.rbb[k] = self.arrivals.model.beta
-            x = y + 1
+            ps.rbr[k], ps.rbb[k] = rates, beta
+            k += 1
         parts.append(self._arrive(x, b, gaps))
         return np.concatenate(parts, axis=1) if gaps else None
 
@@ -1245,8 +1252,11 @@ class SAECacheTwin(Twin):
     def _rebin_state(self, n: int) -> dict[str, np.ndarray]:
         ps = self.state
         asked = np.flatnonzero(ps.bmark == ps.si[RB_MARK])
+        last = self._rebin_last
         return {"released_by": np.maximum(ps.relby[:n], -1).astype(np.int64), "rebin_requests": asked.astype(np.int64),
-                "rebin_bins": ps.bslot[asked].astype(np.int64)}
+                "rebin_bins": ps.bslot[asked].astype(np.int64),
+                "rebin_rates": np.zeros(0) if last is None else last[0],
+                "rebin_beta": np.zeros(0) if last is None else last[1]}
 
     def begin_window(self) -> None:  # SAECachePolicy.reset_window
         self.state.qn[Q_HITS] = 0

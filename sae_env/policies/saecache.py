@@ -111,10 +111,13 @@ from sae_env.policies.arrivals import (
     N_SLOTS,
     PE,
     QUEUES,
+    REBIN_MOVE,
     REFIT_EVERY,
     ST,
     Arrivals,
     Predictor,
+    model_moved,
+    rebin_last,
     slot_of,
     slot_p,
 )
@@ -237,7 +240,7 @@ class SAECachePolicy(EvictionPolicy):
                  empirical_gaps: bool = False, gap_mixture: bool = False, continue_threshold: float = 0.5,
                  sample: int = 8, min_dt: float = 1e-3, refit_steps: int = 2, refit_growth: float = 0.5,
                  value_context: float | None = None, clock_step: float = CLOCK_STEP, rebin_every: int = 1,
-                 params: dict[str, float] | None = None) -> None:
+                 rebin_move: float = REBIN_MOVE, params: dict[str, float] | None = None) -> None:
         super().__init__()
         if sample < 1:
             raise ValueError(f"saecache: sample must be >= 1, got {sample}")
@@ -285,6 +288,11 @@ class SAECachePolicy(EvictionPolicy):
         if isinstance(rebin_every, bool) or not isinstance(rebin_every, (int, np.integer)) or rebin_every < 1:
             raise ValueError(f"saecache: rebin_every must be a whole number of refits >= 1, got {rebin_every!r}")
         self.rebin_every = int(rebin_every)  # rebin at every rebin_every-th refit (a cost knob)
+        if isinstance(rebin_move, bool) or not isinstance(rebin_move, (int, float)) \
+                or not rebin_move >= 0:  # NaN fails too; inf: the first refit only
+            raise ValueError(f"saecache: rebin_move must be a number >= 0 (logit units), got {rebin_move!r}")
+        self.rebin_move = float(rebin_move)  # ... and only once the model has moved by this much (a cost knob)
+        self._rebin_last: tuple[np.ndarray, np.ndarray] | None = None  # the model's rates and beta at the last one
         if value_context is None:
             value_context = _VALUE_CONTEXT
         if isinstance(value_context, bool) or not isinstance(value_context, (int, float)) \
@@ -886,7 +894,7 @@ class SAECachePolicy(EvictionPolicy):
             self._window_t0 = now
         if self._ins_rate:
             self._horizon = self.cache.capacity / self._ins_rate
-        if self._rebin and self.arrivals.arrivals // REFIT_EVERY % self.rebin_every == 0:
+        if self._rebin and self.arrivals.arrivals // REFIT_EVERY % self.rebin_every == 0 and self._model_moved():
             self._rebin_blocks()
         if self._empirical:
             self._empirical_gaps()
@@ -899,6 +907,16 @@ class SAECachePolicy(EvictionPolicy):
         (EmpiricalShapes.priors)."""
         for q, shape in self._shapes.update(self.arrivals.raw_gaps, self._params, used, prior).items():
             self._gaps[q] = shape if shape is not None else LognormalGaps(*self._ln[q])
+
+    def _model_moved(self) -> bool:
+        """``rebin``: whether the continuation model has moved by ``rebin_move`` since the last rebinning
+        (arrivals.model_moved); if so, this is the last rebinning's model from now on."""
+        model = self.arrivals.model
+        rates, beta = model.rates, model.beta.copy()
+        if not model_moved(rates, beta, self._rebin_last, self.rebin_move):
+            return False
+        self._rebin_last = (rates, beta)
+        return True
 
     def _rebin_blocks(self) -> None:
         """``rebin``: every evictable chat or agent block moves to the continuation bin of its releasing request as the
@@ -986,6 +1004,8 @@ class SAECachePolicy(EvictionPolicy):
             out["released_by"] = block_array(blocks, index, by.get, default=-1)
             out["rebin_requests"] = np.fromiter(bins.keys(), dtype=np.int64, count=len(bins))
             out["rebin_bins"] = np.fromiter(bins.values(), dtype=np.int64, count=len(bins))
+            last = self._rebin_last  # the model at the last rebinning (empty: none yet)
+            out["rebin_rates"], out["rebin_beta"] = (np.zeros(0), np.zeros(0)) if last is None else last
         if self.switches["position_decay"]:  # a structural block's relative offset (unused otherwise)
             out["offset"] = block_array(blocks, index, lambda b: b.pdata if b.queue == ST else None, np.float64)
         if self._empirical:  # the gaps the ranking's distributions were built from (each queue's first n)
@@ -1001,6 +1021,7 @@ class SAECachePolicy(EvictionPolicy):
         if self._rebin:  # before _group places any block
             self._released_by = {b: i for b, i in zip(blocks, state["released_by"].tolist(), strict=True) if i >= 0}
             self._bin_now = dict(zip(state["rebin_requests"].tolist(), state["rebin_bins"].tolist(), strict=True))
+            self._rebin_last = rebin_last(state)
         for b, stamp, g, x in zip(blocks, state["stamp"].tolist(), state["group"].tolist(), offsets, strict=True):
             b.stamp = stamp
             b.pdata = (g if g >= 0 else None) if b.queue in (CH, AG) else (x if b.queue == ST else None)
