@@ -259,9 +259,9 @@ def test_parameters_set_between_windows_agree():
     assert_same_windows(*runs)
 
 
-# rebin (SAECachePolicy._rebin_blocks): at the refits (every REFIT_EVERY arrivals) where the continuation model has moved
-# by rebin_move since the last rebinning, the kernel computes the model's probabilities of the cached blocks' releasing
-# requests from the rates and beta the twin kept at that arrival, and moves the blocks.
+# rebin (SAECachePolicy._rebin_blocks): at the refits (every REFIT_EVERY arrivals) where the continuation model has
+# moved by rebin_move since the last rebinning, the kernel computes the model's probabilities of the cached blocks'
+# releasing requests from the rates and beta the twin kept at that arrival, and moves the blocks.
 REBIN = {"continuation": True, "density": True, "rebin": True}
 
 

@@ -10,15 +10,17 @@ whether the policy refits there, the structural continuation rate after it). Wha
 the kernel, applied at the same request as the Python policy applies it: the turnover time (capacity over the
 insertion rate) re-estimated at each refit, the occupancy and hits per queue.
 
-One question mixes both: under ``rebin`` a refit moves each evictable chat or agent block to the bin of its releasing
-request as the model sees that request at the refit. The model's answer must be the Python policy's, to the last
-bit, and the question (which requests released the cached blocks) depends on the cache. So the twin, running the
-arrivals ahead, keeps what the answer needs from the model as each rebinning refit leaves it (its per-turn rates and
-``beta``: a row each), and the kernel, at that refit, computes ``ContinuationModel.p_many`` itself (_p_now: the same
-operations, libm's log and exp) for the requests that released the cached blocks, from every request's turn bucket
-and feature row (copied at load), and moves the blocks (_rebin_blocks: the evictable chat and agent blocks are
-found from their groups' ranges of the treap, not among all slots). Each block keeps its releasing request
-(``relby``); the bins of the last rebinning are the requests whose ``bmark`` is the current one.
+One question mixes both: under ``rebin`` a refit (one where the model has moved by ``rebin_move`` since the last
+rebinning: the twin asks ``arrivals.model_moved`` as the policy does, on the same floats) moves each evictable chat or
+agent block to the bin of its releasing request as the model sees that request at the refit. The model's answer must
+be the Python policy's, to the last bit, and the question (which requests released the cached blocks) depends on the
+cache. So the twin, running the arrivals ahead, keeps what the answer needs from the model as each rebinning refit
+leaves it (its per-turn rates and ``beta``: a row each), and the kernel, at that refit, computes
+``ContinuationModel.p_many`` itself (_p_now: the same operations, libm's log and exp) for the requests that released
+the cached blocks, from every request's turn bucket and feature row (copied at load), and moves the blocks
+(_rebin_blocks: the evictable chat and agent blocks are found from their groups' ranges of the treap, not among all
+slots). Each block keeps its releasing request (``relby``); the bins of the last rebinning are the requests whose
+``bmark`` is the current one.
 
 Under ``empirical_gaps`` each refit rebuilds the chat and agent queues' gap distributions from the gaps completed so
 far (survival.EmpiricalGaps). The twin runs the window's arrivals ahead (in pieces that end at each rebinning under

@@ -64,9 +64,10 @@ ended only once idle past the horizon, not already once the posterior that it is
 weighed by what a hit on it saves, the prefill FLOPs of recomputing it, ``1 + context / value_context`` under the
 roofline, binned in quarter octaves; for TTFT on long prompts, at some cost in token hits; ``value_context``, in
 tokens, defaults to the paper's model's, Qwen2.5-1.5B's 15,234: give another model's ``N / (2 L d)``),
-``rebin`` (on: at every refit, every ``REFIT_EVERY`` arrivals, each evictable chat or agent block moves to the
-continuation bin of the request that released it as the continuation model sees that request *now*, a parked one when
-it returns; off: a block keeps the bin the model gave its request at the request's arrival, when the model knew less),
+``rebin`` (on: at the refits, every ``REFIT_EVERY`` arrivals, where the continuation model has moved since the last
+rebinning, each evictable chat or agent block moves to the continuation bin of the request that released it as the
+model sees that request *now*, a parked one when it returns; off: a block keeps the bin the model gave its request at
+the request's arrival, when the model knew less),
 ``empirical_gaps`` (on: the chat and agent queues' hit density reads a gap distribution of the shape of the session
 gaps completed so far, with the learners' log-normal as a prior of ``EMPIRICAL_PRIOR`` pseudo-gaps, rebuilt at every
 refit: survival.EmpiricalGaps; the continuation model keeps the log-normal), ``gap_mixture`` (on: the same
@@ -81,6 +82,9 @@ checks it against ``lru``). Not a switch but cost knobs: ``refit_steps`` (2), th
 steps per refit, and ``refit_growth`` (0.5): the model refits once the arrivals have grown by half since its last refit,
 not at every ``REFIT_EVERY`` arrivals (0; continuation.py's refit schedule: a bounded total cost, the same hit rates
 within noise); ``rebin_every`` (1): under ``rebin``, the blocks move at every ``rebin_every``-th refit only;
+``rebin_move`` (``REBIN_MOVE``, half a continuation bin): under ``rebin``, the blocks move only once the model has
+moved since the last rebinning, ``beta`` refitted or a turn's rate by more than this in logit (0: at any move, the
+decisions of rebinning at every refit);
 ``clock_step`` (1/128; 0 under the paper's ranking), the step of the clock the ranking reads, as a fraction of the
 turnover horizon (``CLOCK_STEP``: the evictions of every arrival within one step share one scan's
 scores; 0: the exact clock).
