@@ -1029,7 +1029,10 @@ def test_the_model_moved_once_beta_changes_or_a_rate_moves_past_the_step():
     lower = rates.copy()
     lower[1] = P_CLIP / 1000  # both clip to P_CLIP: no move
     assert not model_moved(lower, beta, (low, beta), REBIN_MOVE)
-    assert model_moved(rates, beta, (rates, beta), -1.0)  # below 0 every refit rebins, moved or not (the reference)
+    ulp = rates.copy()
+    ulp[2] = np.nextafter(rates[2], 1.0)
+    assert model_moved(ulp, beta, (rates, beta), 0.0)  # at 0, any move at all
+    assert not model_moved(rates, beta, (rates.copy(), beta.copy()), 0.0)
 
 
 def test_rebin_move_zero_rebins_as_every_refit_did_and_the_default_skips_refits():

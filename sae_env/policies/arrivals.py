@@ -72,14 +72,24 @@ def slot_p(slot: int) -> float:
 
 def model_moved(rates: np.ndarray, beta: np.ndarray, last: tuple[np.ndarray, np.ndarray] | None, move: float) -> bool:
     """Whether the continuation model (its per-turn ``rates``, bucket 0 unused, and ``beta``) has moved from ``last``
-    (the same two at the last rebinning; None: none yet) enough to rebin: ``beta`` refitted (any coefficient changed),
-    or a turn's rate moved by more than ``move`` on the logit scale (clipped as ``ContinuationModel.p`` clips it).
-    Numpy on the same floats in both engines, so both rebin at the same refits."""
-    if last is None or not np.array_equal(beta, last[1]):
+    (the same two at the last rebinning; None: none yet) enough to rebin: ``beta`` refitted (any coefficient's bits
+    changed), or a turn's rate moved by more than ``move`` on the logit scale (clipped as ``ContinuationModel.p`` clips
+    it). Both engines call it on the same floats, so both rebin at the same refits. Scalar arithmetic on a dozen
+    floats: numpy's calls on arrays this small cost some 60 us a refit."""
+    if last is None or beta.tobytes() != last[1].tobytes():
         return True
-    a = np.clip(np.asarray(rates[1:], dtype=np.float64), P_CLIP, 1.0 - P_CLIP)
-    b = np.clip(np.asarray(last[0][1:], dtype=np.float64), P_CLIP, 1.0 - P_CLIP)
-    return bool(np.max(np.abs(np.log(a / (1.0 - a)) - np.log(b / (1.0 - b))), initial=0.0) > move)
+    lo, hi = P_CLIP, 1.0 - P_CLIP
+    bound = math.exp(move) if move < 700 else math.inf  # the odds ratio |logit a - logit b| > move means
+    for a, b in zip(rates.tolist()[1:], last[0].tolist()[1:], strict=True):
+        a, b = min(max(a, lo), hi), min(max(b, lo), hi)
+        if a == b:
+            continue
+        if move <= 0:  # any move (the odds ratio below may round to 1 for a last-bit one)
+            return True
+        ratio = a * (1.0 - b) / (b * (1.0 - a))
+        if ratio > bound or ratio * bound < 1.0:
+            return True
+    return False
 
 
 def rebin_last(state: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
