@@ -1062,7 +1062,7 @@ def test_rebin_move_zero_rebins_as_every_refit_did_and_the_default_skips_refits(
     assert zero == every and n_zero <= n_every == len(trace) // 64
     default, n_default = hits(saecache.REBIN_MOVE)
     assert n_default < 3 * n_every // 4 and default != every  # 34 of 62
-    assert default != hits(math.inf)[0]  # it still rebins after the first refit (math.inf: the first refit only)
+    assert default != hits(math.inf)[0]  # the rates' moves rebin too (math.inf: only where beta is refitted)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

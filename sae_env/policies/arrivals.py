@@ -79,7 +79,7 @@ def model_moved(rates: np.ndarray, beta: np.ndarray, last: tuple[np.ndarray, np.
     if last is None or beta.tobytes() != last[1].tobytes():
         return True
     lo, hi = P_CLIP, 1.0 - P_CLIP
-    bound = math.exp(move) if move < 700 else math.inf  # the odds ratio |logit a - logit b| > move means
+    bound = math.exp(move) if move < 700 else math.inf  # |logit a - logit b| > move: the odds ratio past exp(+-move)
     for a, b in zip(rates.tolist()[1:], last[0].tolist()[1:], strict=True):
         a, b = min(max(a, lo), hi), min(max(b, lo), hi)
         if a == b:

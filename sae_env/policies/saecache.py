@@ -293,7 +293,7 @@ class SAECachePolicy(EvictionPolicy):
             raise ValueError(f"saecache: rebin_every must be a whole number of refits >= 1, got {rebin_every!r}")
         self.rebin_every = int(rebin_every)  # rebin at every rebin_every-th refit (a cost knob)
         if isinstance(rebin_move, bool) or not isinstance(rebin_move, (int, float)) \
-                or not rebin_move >= 0:  # NaN fails too; inf: the first refit only
+                or not rebin_move >= 0:  # NaN fails too; inf: where beta is refitted only
             raise ValueError(f"saecache: rebin_move must be a number >= 0 (logit units), got {rebin_move!r}")
         self.rebin_move = float(rebin_move)  # ... and only once the model has moved by this much (a cost knob)
         self._rebin_last: tuple[np.ndarray, np.ndarray] | None = None  # the model's rates and beta at the last one
