@@ -82,7 +82,19 @@ from sae_env.fast_engine.jit import implements, inline, jit
 from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QUEUE, N
 from sae_env.fast_engine.treap import GROUP, STAMP, WHERE
 from sae_env.fast_engine.twin import Twin, register
-from sae_env.policies.arrivals import AG, CH, N_QUEUES, N_SLOTS, PE, REFIT_EVERY, ST, model_moved, rebin_last, slot_p
+from sae_env.policies.arrivals import (
+    AG,
+    CH,
+    N_QUEUES,
+    N_SLOTS,
+    PE,
+    REFIT_EVERY,
+    ST,
+    model_moved,
+    rebin_last,
+    rebin_last_state,
+    slot_p,
+)
 from sae_env.policies.continuation import P_CLIP
 from sae_env.policies.saecache import (
     GROUP_SLOT,
@@ -1254,11 +1266,8 @@ class SAECacheTwin(Twin):
     def _rebin_state(self, n: int) -> dict[str, np.ndarray]:
         ps = self.state
         asked = np.flatnonzero(ps.bmark == ps.si[RB_MARK])
-        last = self._rebin_last
         return {"released_by": np.maximum(ps.relby[:n], -1).astype(np.int64), "rebin_requests": asked.astype(np.int64),
-                "rebin_bins": ps.bslot[asked].astype(np.int64),
-                "rebin_rates": np.zeros(0) if last is None else last[0],
-                "rebin_beta": np.zeros(0) if last is None else last[1]}
+                "rebin_bins": ps.bslot[asked].astype(np.int64), **rebin_last_state(self._rebin_last)}
 
     def begin_window(self) -> None:  # SAECachePolicy.reset_window
         self.state.qn[Q_HITS] = 0

@@ -30,7 +30,8 @@ from sae_env.policies.survival import LognormalGaps
 from sae_env.trace import AppType, TokenType, Trace
 
 __all__ = ["AG", "CH", "LOGIT_BIN", "LOGIT_MAX", "N_QUEUES", "N_SLOTS", "PE", "QUEUES", "REBIN_MOVE", "REFIT_EVERY",
-           "ST", "Arrivals", "model_moved", "rebin_last", "slot_of", "slot_p"]
+           "ST", "Arrivals", "model_moved", "rebin_last", "rebin_last_state", "slot_of",
+           "slot_p"]
 
 PE, ST, CH, AG = 0, 1, 2, 3
 QUEUES = ("priority_eviction", "structural", "chat", "agent")
@@ -97,6 +98,13 @@ def rebin_last(state: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
     empty before the first rebinning, or absent in a state from before they were kept)."""
     rates = np.asarray(state.get("rebin_rates", ()), dtype=np.float64)
     return None if rates.size == 0 else (rates, np.asarray(state["rebin_beta"], dtype=np.float64))
+
+
+def rebin_last_state(last: tuple[np.ndarray, np.ndarray] | None) -> dict[str, np.ndarray]:
+    """The model at the last rebinning (None: none yet) as a policy's exported state holds it: ``rebin_last`` reads
+    it back."""
+    return {"rebin_rates": np.zeros(0) if last is None else last[0],
+            "rebin_beta": np.zeros(0) if last is None else last[1]}
 
 
 class Arrivals:

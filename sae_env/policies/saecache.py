@@ -122,6 +122,7 @@ from sae_env.policies.arrivals import (
     Predictor,
     model_moved,
     rebin_last,
+    rebin_last_state,
     slot_of,
     slot_p,
 )
@@ -1008,8 +1009,7 @@ class SAECachePolicy(EvictionPolicy):
             out["released_by"] = block_array(blocks, index, by.get, default=-1)
             out["rebin_requests"] = np.fromiter(bins.keys(), dtype=np.int64, count=len(bins))
             out["rebin_bins"] = np.fromiter(bins.values(), dtype=np.int64, count=len(bins))
-            last = self._rebin_last  # the model at the last rebinning (empty: none yet)
-            out["rebin_rates"], out["rebin_beta"] = (np.zeros(0), np.zeros(0)) if last is None else last
+            out.update(rebin_last_state(self._rebin_last))  # the model at the last rebinning
         if self.switches["position_decay"]:  # a structural block's relative offset (unused otherwise)
             out["offset"] = block_array(blocks, index, lambda b: b.pdata if b.queue == ST else None, np.float64)
         if self._empirical:  # the gaps the ranking's distributions were built from (each queue's first n)
