@@ -388,7 +388,7 @@ def test_embedded_real_traces_agree_with_rebin(trace_name):
         assert_same_windows(py, fast)
         st = fast._fast.twin.state
         asked |= bool((st.bmark == st.si[fast_sae.RB_MARK]).any())  # the model gave the releasing requests bins
-        plain = Replay(trace, PrefixCache(capacity, make_policy("saecache")), window_requests=200)
+        plain = Replay(trace, PrefixCache(capacity, make_policy("saecache", rebin=False)), window_requests=200)
         plain.run()
         moved |= [w.hit_blocks for w in plain.windows] != [w.hit_blocks for w in fast.windows]
     assert asked and moved

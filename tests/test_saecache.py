@@ -991,6 +991,16 @@ def test_a_switch_needs_what_it_builds_on(switch, needs):
         SAECachePolicy(empirical_gaps=True, gap_mixture=True)
 
 
+def test_rebin_is_on_by_default_wherever_its_bins_exist():
+    """Left unset, rebin follows the continuation model and the hit density (its bins need both): on in the default,
+    off in the paper's method and in the ablations that switch either off, without an error; set, it is checked."""
+    assert make_policy("saecache").switches["rebin"]
+    assert not make_policy("saecache", rebin=False).switches["rebin"]
+    assert not make_policy("saecache-paper").switches["rebin"]
+    for off in ("continuation", "density"):
+        assert not SAECachePolicy(**{off: False}).switches["rebin"]
+
+
 def test_rebin_every_is_a_whole_number_of_refits():
     for bad in (0, -1, True, 1.5, "2"):
         with pytest.raises(ValueError, match="rebin_every"):
@@ -1101,7 +1111,7 @@ def _checked_rebin(log: list):
 
 def test_rebin_moves_blocks_on_a_real_trace():
     """On real conversations the model's answers move after a request's arrival, and blocks change bins; the replay
-    then differs from the default's."""
+    then differs from the one without rebinning."""
     trace = load_source("conversations", None)[0]
     cap = max(1, int(0.05 * trace.distinct_blocks()))
     moved = []
@@ -1120,7 +1130,7 @@ def test_rebin_moves_blocks_on_a_real_trace():
     with patch.object(SAECachePolicy, "_rebin_blocks", counting):
         rebinned = hit_counts(rebin=True)
     assert len(moved) >= len(trace) // 64 - 1 and sum(moved) > 0
-    assert rebinned != hit_counts()
+    assert rebinned != hit_counts(rebin=False)
 
 
 def test_rebin_state_round_trips():

@@ -15,10 +15,12 @@ tau-bench airline trajectories (real agent sessions with long tool schemas), tim
 learners; a templated-heavy synthetic workload at a tiny capacity (long structural lists: the sampled candidates and
 the parked / returned inner nodes) with a predictor and two switches off. These pin the paper's method (PAPER).
 
-The default ranking (continuation model, hit density) is pinned too, with its learners as ``train.py replay`` runs
-them: WildChat (instant and timed), the Mooncake synthetic trace, the heterogeneous preset, tau-bench timed, and the
-templated workload with the paper's multiplicative mechanisms switched back on (structural sampling under density);
-and the ``empirical_gaps`` and ``gap_mixture`` switches on the Mooncake synthetic trace at 2 %.
+The default ranking (continuation model, hit density, rebinning) is pinned too, with its learners as ``train.py
+replay`` runs them: WildChat (instant and timed), the Mooncake synthetic trace, the heterogeneous preset, tau-bench
+timed, and the templated workload with the paper's multiplicative mechanisms switched back on (structural sampling
+under density); the default as it was before rebinning was on (``rebin=False``) on WildChat and the Mooncake trace,
+with its ranking's clock and without (``clock_step=0``); and the ``empirical_gaps`` and ``gap_mixture`` switches on
+the Mooncake synthetic trace at 2 %, as they were measured (without rebinning).
 
 If a change is *meant* to alter decisions, re-record with ``python tests/test_saecache_golden.py`` and say why in
 the commit message.
@@ -81,7 +83,7 @@ CASES = {
     "taubench_timed": (lambda: load_source("taubench", None)[0], 0.05, True, True, PAPER),
     "templated_small": (_templated, 40, False, False,
                         {**PAPER, "predictor": _predictor, "lognormal": False, "type_weights": False}),
-    # The default ranking (continuation model, hit density), with its learners, as `train.py replay` runs it.
+    # The default ranking (continuation model, hit density, rebinning), with its learners, as `train.py replay` runs it.
     "default_wildchat": (lambda: load_source("conversations", None)[0], 0.05, False, True, {}),
     "default_wildchat_timed": (lambda: load_source("conversations", None)[0], 0.10, True, True, {}),
     "default_mooncake": (lambda: open_trace("mooncake_synthetic", None, {}, None)[0], 0.05, False, True, {}),
@@ -91,18 +93,25 @@ CASES = {
     "default_templated_switches": (_templated, 40, False, False,
                                    {"predictor": _predictor, "lognormal": False, "position_decay": True,
                                     "type_weights": True}),
-    # The exact clock (clock_step=0) makes the default's decisions from before the ranking's clock had steps: pinned
-    # with the figures recorded then, so that every figure measured before it reproduces with clock_step=0.
-    "default_wildchat_exact_clock": (lambda: load_source("conversations", None)[0], 0.05, False, True,
-                                     {"clock_step": 0.0}),
-    "default_mooncake_exact_clock": (lambda: open_trace("mooncake_synthetic", None, {}, None)[0], 0.05, False, True,
-                                     {"clock_step": 0.0}),
-    # empirical_gaps (off by default): the chat queue's gap shape from the gaps completed so far, on recorded times
+    # rebin=False makes the default's decisions from before rebinning was on by default (2026-12-06): pinned with the
+    # figures recorded then, so that every figure measured before it reproduces with rebin=False.
+    "no_rebin_wildchat": (lambda: load_source("conversations", None)[0], 0.05, False, True, {"rebin": False}),
+    "no_rebin_mooncake": (lambda: open_trace("mooncake_synthetic", None, {}, None)[0], 0.05, False, True,
+                          {"rebin": False}),
+    # The exact clock (clock_step=0) without rebinning makes the default's decisions from before the ranking's clock
+    # had steps: pinned with the figures recorded then, so that every figure measured before it reproduces with
+    # clock_step=0 and rebin=False.
+    "no_rebin_wildchat_exact_clock": (lambda: load_source("conversations", None)[0], 0.05, False, True,
+                                      {"clock_step": 0.0, "rebin": False}),
+    "no_rebin_mooncake_exact_clock": (lambda: open_trace("mooncake_synthetic", None, {}, None)[0], 0.05, False,
+                                      True, {"clock_step": 0.0, "rebin": False}),
+    # empirical_gaps (off by default): the chat queue's gap shape from the gaps completed so far, on recorded times;
+    # pinned as measured, without rebinning
     "empirical_gaps_mooncake": (lambda: open_trace("mooncake_synthetic", None, {}, None)[0], 0.02, False, True,
-                                {"empirical_gaps": True}),
-    # gap_mixture (off by default): two log-normals where BIC prefers them, on recorded times
+                                {"empirical_gaps": True, "rebin": False}),
+    # gap_mixture (off by default): two log-normals where BIC prefers them, on recorded times; the same
     "gap_mixture_mooncake": (lambda: open_trace("mooncake_synthetic", None, {}, None)[0], 0.02, False, True,
-                             {"gap_mixture": True}),
+                             {"gap_mixture": True, "rebin": False}),
 }
 
 
@@ -123,22 +132,34 @@ def observe(name: str) -> dict:
 
 
 GOLDEN = {
-    'default_heterogeneous': {'hit_blocks': 747665, 'hits': 'e7b832de54f8fea5', 'evictions': 71492, 'bypasses': 0,
-        'victims': '4385761625b49fd3', 'queue_hits': '998da862fcc20691', 'occupancy': [0, 1857, 10253, 0]},
-    'default_mooncake': {'hit_blocks': 18948, 'hits': 'f9c0ec6d0bc41479', 'evictions': 96933, 'bypasses': 0,
-        'victims': '986818e8de3f8b9d', 'queue_hits': '8ad2e063ac92cb4b', 'occupancy': [0, 35, 1972, 0]},
-    'default_taubench_timed': {'hit_blocks': 843150, 'hits': 'ae8f1bd44ec05cc0', 'evictions': 116997, 'bypasses': 3531,
-        'victims': '981a41d5634a6953', 'queue_hits': '4420dcedad4b277d', 'occupancy': [0, 282, 0, 1403]},
-    'default_templated_switches': {'hit_blocks': 2418, 'hits': '009d5ea79184c402', 'evictions': 13942, 'bypasses': 249,
-        'victims': '094d2241d0c9be9a', 'queue_hits': 'f46be42a367ac1c4', 'occupancy': [0, 11, 29, 0]},
-    'default_wildchat': {'hit_blocks': 19253, 'hits': 'cca95fa2c879254e', 'evictions': 69890, 'bypasses': 0,
-        'victims': 'b200966ce24bc4e6', 'queue_hits': '8dbbc4b92a99eb7e', 'occupancy': [0, 0, 1300, 0]},
-    'default_wildchat_timed': {'hit_blocks': 30969, 'hits': '628bcc3296a021e5', 'evictions': 56872, 'bypasses': 0,
-        'victims': 'b73fccfdefff26e8', 'queue_hits': '42d3b7b53f4100a8', 'occupancy': [0, 0, 2600, 0]},
+    'default_heterogeneous': {'hit_blocks': 747698, 'hits': '62c4f914b3184694', 'evictions': 71459, 'bypasses': 0,
+        'victims': 'd2c3c283e555d6ef', 'queue_hits': '587e18b4fe4b52fa', 'occupancy': [0, 2544, 9566, 0]},
+    'default_mooncake': {'hit_blocks': 19275, 'hits': '7f50f06e54ea49db', 'evictions': 96606, 'bypasses': 0,
+        'victims': '7f72ad245847a43f', 'queue_hits': '0fe01866fb3ff038', 'occupancy': [0, 35, 1972, 0]},
+    'default_taubench_timed': {'hit_blocks': 843247, 'hits': '3e580f62d07d6ff5', 'evictions': 116900, 'bypasses': 3531,
+        'victims': '4f8372aca39a0b3c', 'queue_hits': 'df21dee3793118ee', 'occupancy': [0, 282, 0, 1403]},
+    'default_templated_switches': {'hit_blocks': 2430, 'hits': '2dd1273c9118a1dc', 'evictions': 13930, 'bypasses': 249,
+        'victims': '7ac782f37fef4bfe', 'queue_hits': 'fad2ce08d1dedeff', 'occupancy': [0, 11, 29, 0]},
+    'default_wildchat': {'hit_blocks': 19658, 'hits': '6df4b3e943068de8', 'evictions': 69483, 'bypasses': 0,
+        'victims': '5ebc4244d5e37057', 'queue_hits': 'b7038a1b9f555370', 'occupancy': [0, 0, 1300, 0]},
+    'default_wildchat_timed': {'hit_blocks': 31126, 'hits': '105543689f9f0f2d', 'evictions': 56714, 'bypasses': 0,
+        'victims': '8259e048cf809b10', 'queue_hits': '78c975e46b58918c', 'occupancy': [0, 0, 2600, 0]},
+    'empirical_gaps_mooncake': {'hit_blocks': 10335, 'hits': '7dd9b31e82d174ec', 'evictions': 106751, 'bypasses': 0,
+        'victims': '6e113207526795b1', 'queue_hits': 'e3f4531e98db9d9d', 'occupancy': [0, 35, 767, 0]},
+    'gap_mixture_mooncake': {'hit_blocks': 10139, 'hits': '613b9a62ffa238a1', 'evictions': 106947, 'bypasses': 0,
+        'victims': 'f6c17325d055bb4e', 'queue_hits': '37281eb3e135951c', 'occupancy': [0, 35, 767, 0]},
     'heterogeneous': {'hit_blocks': 746857, 'hits': '6b1b2ce619b57801', 'evictions': 72300, 'bypasses': 0,
         'victims': '0400cf054c84e4e7', 'queue_hits': 'f3230c18c9eb4944', 'occupancy': [0, 4288, 7822, 0]},
     'heterogeneous_learners': {'hit_blocks': 746011, 'hits': 'f7783bb0df2e6121', 'evictions': 73146, 'bypasses': 0,
         'victims': '5225cdc8971ea94f', 'queue_hits': 'b55582fb15322779', 'occupancy': [0, 4877, 7233, 0]},
+    'no_rebin_mooncake': {'hit_blocks': 18948, 'hits': 'f9c0ec6d0bc41479', 'evictions': 96933, 'bypasses': 0,
+        'victims': '986818e8de3f8b9d', 'queue_hits': '8ad2e063ac92cb4b', 'occupancy': [0, 35, 1972, 0]},
+    'no_rebin_mooncake_exact_clock': {'hit_blocks': 18947, 'hits': '93c3eebb735dc231', 'evictions': 96934,
+        'bypasses': 0, 'victims': '6789683e16945d8d', 'queue_hits': 'bebfeafd6fe2bfaa', 'occupancy': [0, 35, 1972, 0]},
+    'no_rebin_wildchat': {'hit_blocks': 19253, 'hits': 'cca95fa2c879254e', 'evictions': 69890, 'bypasses': 0,
+        'victims': 'b200966ce24bc4e6', 'queue_hits': '8dbbc4b92a99eb7e', 'occupancy': [0, 0, 1300, 0]},
+    'no_rebin_wildchat_exact_clock': {'hit_blocks': 19288, 'hits': '9e268d545973ef30', 'evictions': 69855,
+        'bypasses': 0, 'victims': '8b2484fed8477a00', 'queue_hits': '2226917cb6d43d36', 'occupancy': [0, 0, 1300, 0]},
     'taubench_timed': {'hit_blocks': 843698, 'hits': '5031b7f3860c0246', 'evictions': 116436, 'bypasses': 3535,
         'victims': 'e23e067c4f70b4f1', 'queue_hits': 'c17e6993bff26369', 'occupancy': [0, 282, 0, 1403]},
     'templated_small': {'hit_blocks': 2063, 'hits': 'f93bd5e7a8945ffe', 'evictions': 14297, 'bypasses': 249,
@@ -147,14 +168,6 @@ GOLDEN = {
         'victims': '2ae896512ec7604a', 'queue_hits': '3004a8804caccc57', 'occupancy': [0, 0, 3901, 0]},
     'wildchat_timed': {'hit_blocks': 29735, 'hits': 'd92799ecdb677d82', 'evictions': 58105, 'bypasses': 0,
         'victims': 'e2340d131cfd14ed', 'queue_hits': 'b37095044846f9c0', 'occupancy': [0, 0, 2600, 0]},
-    'default_mooncake_exact_clock': {'hit_blocks': 18947, 'hits': '93c3eebb735dc231', 'evictions': 96934, 'bypasses': 0,
-        'victims': '6789683e16945d8d', 'queue_hits': 'bebfeafd6fe2bfaa', 'occupancy': [0, 35, 1972, 0]},
-    'default_wildchat_exact_clock': {'hit_blocks': 19288, 'hits': '9e268d545973ef30', 'evictions': 69855, 'bypasses': 0,
-        'victims': '8b2484fed8477a00', 'queue_hits': '2226917cb6d43d36', 'occupancy': [0, 0, 1300, 0]},
-    'empirical_gaps_mooncake': {'hit_blocks': 10335, 'hits': '7dd9b31e82d174ec', 'evictions': 106751, 'bypasses': 0,
-        'victims': '6e113207526795b1', 'queue_hits': 'e3f4531e98db9d9d', 'occupancy': [0, 35, 767, 0]},
-    'gap_mixture_mooncake': {'hit_blocks': 10139, 'hits': '613b9a62ffa238a1', 'evictions': 106947, 'bypasses': 0,
-        'victims': 'f6c17325d055bb4e', 'queue_hits': '37281eb3e135951c', 'occupancy': [0, 35, 767, 0]},
 }
 
 

@@ -64,10 +64,11 @@ ended only once idle past the horizon, not already once the posterior that it is
 weighed by what a hit on it saves, the prefill FLOPs of recomputing it, ``1 + context / value_context`` under the
 roofline, binned in quarter octaves; for TTFT on long prompts, at some cost in token hits; ``value_context``, in
 tokens, defaults to the paper's model's, Qwen2.5-1.5B's 15,234: give another model's ``N / (2 L d)``),
-``rebin`` (on: at the refits, every ``REFIT_EVERY`` arrivals, where the continuation model has moved since the last
-rebinning, each evictable chat or agent block moves to the continuation bin of the request that released it as the
-model sees that request *now*, a parked one when it returns; off: a block keeps the bin the model gave its request at
-the request's arrival, when the model knew less),
+``rebin`` (on by default wherever the continuation model and the hit density are, which its bins need: at the refits,
+every ``REFIT_EVERY`` arrivals, where the continuation model has moved since the last rebinning, each evictable chat or
+agent block moves to the continuation bin of the request that released it as the model sees that request *now*, a
+parked one when it returns; off: a block keeps the bin the model gave its request at the request's arrival, when the
+model knew less: an online model's early answers are its worst, and a block binned by them keeps them),
 ``empirical_gaps`` (on: the chat and agent queues' hit density reads a gap distribution of the shape of the session
 gaps completed so far, with the learners' log-normal as a prior of ``EMPIRICAL_PRIOR`` pseudo-gaps, rebuilt at every
 refit: survival.EmpiricalGaps; the continuation model keeps the log-normal), ``gap_mixture`` (on: the same
@@ -241,7 +242,7 @@ class SAECachePolicy(EvictionPolicy):
                  position_decay: bool = False, multi_queue: bool = True, predictor: Predictor | bool | None = None,
                  continuation: bool = True, density: bool = True, continuation_features: bool = True,
                  censoring: bool = True, timed_refit: bool = True, posterior_end: bool = True,
-                 pe_routing: bool = False, hit_value: bool = False, rebin: bool = False,
+                 pe_routing: bool = False, hit_value: bool = False, rebin: bool | None = None,
                  empirical_gaps: bool = False, gap_mixture: bool = False, continue_threshold: float = 0.5,
                  sample: int = 8, min_dt: float = 1e-3, refit_steps: int = 2, refit_growth: float = 0.5,
                  value_context: float | None = None, clock_step: float = CLOCK_STEP, rebin_every: int = 1,
@@ -259,7 +260,8 @@ class SAECachePolicy(EvictionPolicy):
                  "position_decay": position_decay, "multi_queue": multi_queue, "continuation": continuation,
                  "density": density, "continuation_features": continuation_features, "censoring": censoring,
                  "timed_refit": timed_refit, "posterior_end": posterior_end, "pe_routing": pe_routing,
-                 "hit_value": hit_value, "rebin": rebin, "empirical_gaps": empirical_gaps,
+                 "hit_value": hit_value, "rebin": rebin if rebin is not None else continuation and density,
+                 "empirical_gaps": empirical_gaps,
                  "gap_mixture": gap_mixture}
         for name, value in flags.items():  # bool("false") is True: a typo must not flip a switch on silently
             if not isinstance(value, (bool, np.bool_)):
