@@ -22,11 +22,20 @@ side offers only public hand-over methods (``Arrivals.routes``, the model's ``co
   and one that got its label has a NaN weight until the next refit compacts the arrays;
 * the per-turn counts and rates, the labelled buffer and the shared prefixes' last uses (the Python objects' own
   arrays, updated in place), the gap statistics and the shared prefixes' counts.
+
+SAECache's ``rebin`` trigger (arrivals.model_moved) is checked here too, at the refits that may rebin, so that the
+window's arrivals run in one call and stop only where the model has moved (:meth:`CompiledArrivals.set_rebin`).
+
+Why one piece (~540 lines): the kernel, its inlined helpers and :class:`CompiledArrivals`, which builds the state
+from the Python objects and gives it back, all read one packed layout (the index constants below: rows of shared
+arrays, slots of the scalar arrays). Split apart, that layout would be shared by name across modules, and each
+field added to it (the rebin trigger's were the last) would touch all of them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -39,7 +48,7 @@ from sae_env.policies.survival import LognormalGaps
 
 __all__ = ["CompiledArrivals"]
 
-DONE, FIT_DUE, NEED_ZB, NEED_ROOM = range(4)  # why run() returned
+DONE, FIT_DUE, NEED_ZB, NEED_ROOM, REBIN_DUE = range(5)  # why run() returned
 # Integer scalars: arrivals so far, shared-prefix uses and reuses, pending entries, labelled entries, the z @ beta
 # block's first request and length, whether the update offer at the next arrival was counted (run() may stop there
 # more than once), the next insertion rank of the sessions' dict and of the model's latest-request dict, and the
@@ -55,10 +64,14 @@ P_ST, REFIT_T, STALE_AFTER = range(3)
 # between windows): each queue's log-normal mu and sigma * sqrt 2, and its horizon.
 HAS_MODEL, DENSITY, PE_ROUTING, MULTI, CENSORING, FEATURES, BUFFER, STEPS = range(12, 20)
 THRESHOLD, PRIOR_A, PRIOR_B, GROWTH, END_BELOW, MU_CH, S2_CH, MU_AG, S2_AG, HORIZON_CH, HORIZON_AG = range(3, 14)
+# SAECache's rebin trigger (CompiledArrivals.set_rebin; 0: off), after the options: check every this many refits,
+# fire at the next check (none yet, or beta refitted since the last rebinning), fire at any move of a rate; and the
+# odds-ratio bound of a rate's move (arrivals.model_moved).
+REBIN_EVERY, REBIN_FIRE, REBIN_ANY, REBIN_BOUND = 20, 21, 22, 14
 # Packed rows (a kernel loads and unboxes every array of its state tuple: each costs ~55 us at a process's first
 # replay, so fields of one length and type share an array). Per turn bucket (float64): the continuation rate, the
-# pending requests' soft weights summed, the continued and the ended counts.
-RATES, ALIVE, CONTINUED, ENDED = range(4)
+# pending requests' soft weights summed, the continued and the ended counts; the rates at the last rebinning.
+RATES, ALIVE, CONTINUED, ENDED, REBIN_LAST = range(5)
 # Per session (int64): its place in the Python dict's order (insertion order), its latest request (-1: none) and
 # that entry's place in the model's dict, the queue of its last arrival.
 S_RANK, S_LAST, S_LAST_RANK, S_QUEUE = range(4)
@@ -80,7 +93,7 @@ class ArrivalState(NamedTuple):
     gap: np.ndarray  # float64 [queue, (n, sum ln gap, sum ln^2 gap)]
     pq_req: np.ndarray  # int64: pending requests, increasing ...
     pq: np.ndarray  # float64 [PQ_T | PQ_W | PQ_S, pending] ... their arrivals, soft weights, survivals
-    counts: np.ndarray  # float64 [RATES | ALIVE | CONTINUED | ENDED, turn bucket]
+    counts: np.ndarray  # float64 [RATES | ALIVE | CONTINUED | ENDED | REBIN_LAST, turn bucket]
     n_pending: np.ndarray  # int64 per turn bucket
     lab_i: np.ndarray  # int64: the model's labelled requests ...
     lab_y: np.ndarray  # float64 ... and their labels
@@ -215,6 +228,25 @@ def slot_of(p):
 
 
 @inline
+def _moved(st):
+    """sae_env.policies.arrivals.model_moved on the kernel's rates, the same floats; its beta part (beta moves only
+    at a fit, in Python) is REBIN_FIRE."""
+    if st.ai[REBIN_FIRE]:
+        return True
+    cn, bound = st.counts, st.af[REBIN_BOUND]
+    for k in range(1, cn.shape[1]):
+        a, b = min(max(cn[RATES, k], P_CLIP), 1.0 - P_CLIP), min(max(cn[REBIN_LAST, k], P_CLIP), 1.0 - P_CLIP)
+        if a == b:
+            continue
+        if st.ai[REBIN_ANY]:
+            return True
+        ratio = a * (1.0 - b) / (b * (1.0 - a))
+        if ratio > bound or ratio * bound < 1.0:
+            return True
+    return False
+
+
+@inline
 def _add_gap(gap, q, dt):
     lg = math.log(dt)
     gap[q, 0] += 1.0
@@ -290,6 +322,8 @@ def run(st, i0, i1, times, out_q, out_slot, out_flags, out_pst):
         out_slot[i] = slot
         out_flags[i] = (REFIT if refit else 0) + structural
         out_pst[i] = st.af[P_ST]
+        if refit and ai[REBIN_EVERY] and nxt % (REFIT_EVERY * ai[REBIN_EVERY]) == 0 and _moved(st):
+            return i + 1, REBIN_DUE  # a rebinning at request i: its model is kept in Python (set_rebin)
     return i1, DONE
 
 
@@ -348,7 +382,7 @@ class CompiledArrivals:
             pq_req[:pend.size], pq[PQ_T, :pend.size], pq[PQ_W, :pend.size] = pend, state["model_pending_t"], \
                 state["model_pending_w"]
             *counts, n_pending, lab_n = model.counts()
-            counts = np.array(counts)
+            counts = np.array(counts + [np.zeros(counts[0].size)])
             lab_i, lab_y = model.labelled_buffer
             zb = np.zeros(1024)
             zb_from, zb_len = 0, 0
@@ -362,7 +396,7 @@ class CompiledArrivals:
             offers, next_refit, growth = int(state["model_offers"]), int(state["model_next_refit"]), model.refit_growth
             refit_t = model.last_refit
         else:
-            pq_req, pq, counts = np.zeros(1, dtype=np.int64), np.zeros((3, 1)), np.zeros((4, 1))
+            pq_req, pq, counts = np.zeros(1, dtype=np.int64), np.zeros((3, 1)), np.zeros((5, 1))
             n_pending, lab_n = np.zeros(1, dtype=np.int64), 0
             lab_i, lab_y, zb = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1)
             zb_from = zb_len = 0
@@ -373,9 +407,10 @@ class CompiledArrivals:
         ai = np.array([state["arrivals"], state["prefix_uses"], state["prefix_reused"],
                        pend.size if model is not None else 0, lab_n, zb_from, zb_len, 0, ids.size, n_last, offers,
                        next_refit, model is not None, arrivals.density, arrivals.pe_routing, arrivals.multi_queue,
-                       censoring, features, buffer, model.steps if model is not None else 0], dtype=np.int64)
+                       censoring, features, buffer, model.steps if model is not None else 0, 0, 1, 0], dtype=np.int64)
         af = np.array([state["p_structural"], refit_t, math.inf, arrivals.continue_threshold, prior[0], prior[1],
-                       growth, model.end_below if model is not None else 0.0] + [math.nan] * 6)
+                       growth, model.end_below if model is not None else 0.0] + [math.nan] * 6 + [math.inf])
+        self._rebin: tuple[bytes, Callable[[int], None]] | None = None  # set_rebin's last beta (bits) and hook
         self.state = ArrivalState(
             queue_of=queue_of, session=session, prefix_of=prefix_of, bucket=bucket, agent=agent, sess_t=sess_t,
             sess=sess, prefix_last=prefix_last, gap=gap, pq_req=pq_req, pq=pq, counts=counts, n_pending=n_pending,
@@ -395,6 +430,8 @@ class CompiledArrivals:
                 return
             if why == FIT_DUE:
                 self._fit(float(times[i]))
+            elif why == REBIN_DUE:
+                self._rebin[1](i - 1)
             elif why == NEED_ZB:
                 zb = self.arrivals.model.zb_at(i)
                 self.state.zb[:zb.size] = zb
@@ -427,7 +464,7 @@ class CompiledArrivals:
 
     def _counts_to_model(self) -> None:
         st = self.state
-        self.arrivals.model.set_counts(*st.counts, st.n_pending, st.ai[LAB_N], float(st.af[REFIT_T]))
+        self.arrivals.model.set_counts(*st.counts[:REBIN_LAST], st.n_pending, st.ai[LAB_N], float(st.af[REFIT_T]))
 
     def _pending(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         st = self.state
@@ -442,6 +479,21 @@ class CompiledArrivals:
         model.fit_settled(now, st.pq_req[:m], st.pq[PQ_S, :m], st.counts[RATES], int(st.ai[LAB_N]))
         if model.zb_block_start < 0:  # the fit moved beta: p asks for a new block
             st.ai[ZB_LEN] = 0
+        if st.ai[REBIN_EVERY] and model.beta.tobytes() != self._rebin[0]:
+            st.ai[REBIN_FIRE] = 1
+
+    def set_rebin(self, every: int, move: float, last: tuple[np.ndarray, np.ndarray] | None,
+                  hook: Callable[[int], None]) -> None:
+        """SAECache's ``rebin`` trigger checked in the kernel at every ``every``-th refit (0: never): from the model at
+        the last rebinning ``last`` (None: none yet), a move past ``move`` (arrivals.model_moved) stops run() after
+        that refit's request ``y`` and calls ``hook(y)``, which keeps the model and calls this again with it."""
+        st, beta = self.state, self.arrivals.model.beta
+        st.ai[REBIN_EVERY], st.ai[REBIN_ANY] = every, move <= 0
+        st.af[REBIN_BOUND] = math.exp(move) if move < 700 else math.inf
+        st.ai[REBIN_FIRE] = last is None or beta.tobytes() != last[1].tobytes()
+        if last is not None:
+            st.counts[REBIN_LAST] = last[0]
+        self._rebin = (b"" if last is None else last[1].tobytes(), hook)
 
     def reset_window(self) -> None:
         self.state.gap[:] = 0.0

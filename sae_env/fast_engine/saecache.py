@@ -77,7 +77,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sae_env.fast_engine import treap as tp
-from sae_env.fast_engine.arrivals import ARRIVALS, compiled, slot_of
+from sae_env.fast_engine.arrivals import compiled, slot_of
 from sae_env.fast_engine.jit import implements, inline, jit
 from sae_env.fast_engine.loop import BTYPE, DEPTH, LAST, NCHILD, PARENT, PIN, QUEUE, N
 from sae_env.fast_engine.treap import GROUP, STAMP, WHERE
@@ -1060,6 +1060,7 @@ class SAECacheTwin(Twin):
             asked = np.asarray(state["rebin_requests"], dtype=np.int64)
             self.state.bslot[asked], self.state.bmark[asked] = state["rebin_bins"], 1
         self._rebin_last = rebin_last(state) if sw["rebin"] else None  # SAECachePolicy._rebin_last
+        self._rb_rows = 0  # rows of rbr, rbb the window's rebinnings filled
         if sampled and "offset" in state:
             self.state.offset[:n] = state["offset"]
         self.compiled = compiled(arrivals)  # the per-arrival state, as arrays (None: Python arrivals)
@@ -1135,28 +1136,44 @@ class SAECacheTwin(Twin):
         self._emp_rows(rows)
 
     def _arrive_rebinning(self, a: int, b: int, gaps: bool) -> np.ndarray | None:
-        """_arrive in pieces that end at each refit that may rebin (rebin), keeping the model's rates and beta where it
-        has moved enough to (SAECachePolicy._model_moved)."""
+        """_arrive, keeping the model's rates and beta at each refit that rebins (rebin: where the model has moved
+        enough since the last rebinning, SAECachePolicy._model_moved). The compiled arrivals check that in their
+        kernel and stop only there (set_rebin); the Python arrivals run in pieces that end at each refit that may
+        rebin, checked here."""
         ps = self.state
-        done = self.compiled.state.ai[ARRIVALS] if self.compiled is not None else self.arrivals.arrivals
-        every = REFIT_EVERY * self.policy.rebin_every
         ps.si[RB_NEXT] = 0
-        x, parts, k = a, [], 0
+        self._rb_rows = 0
+        if self.compiled is not None:
+            self.compiled.set_rebin(self.policy.rebin_every, self.policy.rebin_move, self._rebin_last, self._rebinned)
+            out = self._arrive(a, b, gaps)
+            self.compiled.set_rebin(0, 0.0, self._rebin_last, self._rebinned)
+            return out
+        done = self.arrivals.arrivals
+        every = REFIT_EVERY * self.policy.rebin_every
+        x, parts = a, []
         for y in range(a + (-(done + 1)) % every, b, every):  # request i is arrival done + 1 + i - a
             parts.append(self._arrive(x, y + 1, gaps))
             x = y + 1
-            if not ps.req[R_FLAGS, y] & REFIT:
-                raise RuntimeError(f"saecache twin: a rebinning at request {y}, which does not refit")
-            rates = np.array(self.compiled.rates if self.compiled is not None else self.arrivals.model.rates)  # a copy
-            beta = self.arrivals.model.beta.copy()
-            if not model_moved(rates, beta, self._rebin_last, self.policy.rebin_move):
-                continue
-            self._rebin_last = (rates, beta)
-            ps.req[R_FLAGS, y] |= REBIN_AT
-            ps.rbr[k], ps.rbb[k] = rates, beta
-            k += 1
+            if model_moved(self.arrivals.model.rates, self.arrivals.model.beta, self._rebin_last,
+                           self.policy.rebin_move):
+                self._rebinned(y)
         parts.append(self._arrive(x, b, gaps))
         return np.concatenate(parts, axis=1) if gaps else None
+
+    def _rebinned(self, y: int) -> None:
+        """The refit at request ``y`` rebins: its model (rates and beta) is the last rebinning's from now on, and a
+        row of rbr, rbb for the kernel."""
+        ps = self.state
+        if not ps.req[R_FLAGS, y] & REFIT:
+            raise RuntimeError(f"saecache twin: a rebinning at request {y}, which does not refit")
+        rates = np.array(self.compiled.rates if self.compiled is not None else self.arrivals.model.rates)  # a copy
+        beta = self.arrivals.model.beta.copy()
+        self._rebin_last = (rates, beta)
+        ps.req[R_FLAGS, y] |= REBIN_AT
+        ps.rbr[self._rb_rows], ps.rbb[self._rb_rows] = rates, beta
+        self._rb_rows += 1
+        if self.compiled is not None:
+            self.compiled.set_rebin(self.policy.rebin_every, self.policy.rebin_move, self._rebin_last, self._rebinned)
 
     def _emp_tables(self, used: tuple[int, int] | None = None, prior: Any = None,
                     upto: tuple[int, int] | None = None) -> tuple[list[np.ndarray], Any, Any]:
