@@ -1114,7 +1114,7 @@ class SAECacheTwin(Twin):
         features = model.features
         rows = m // (REFIT_EVERY * self.policy.rebin_every) + 1
         return {"rbucket": np.asarray(model.turn_buckets, dtype=np.int32),
-                "rz": model.feature_rows(slice(0, m)) if features else np.zeros((1, 1)),
+                "rz": model.feature_table[:m] if features else np.zeros((1, 1)),
                 "rbr": np.zeros((rows, model.rates.size)), "rbb": np.zeros((rows, model.beta.size))}
 
     def prepare(self, a: int, b: int) -> None:
