@@ -15,12 +15,12 @@ noisy: a run's ratio moves by 5-10 % from run to run, hence several runs and the
 first (``--warmup``): after an install or an edit of the package, the first process compiles the kernels that the
 others load.
 
-``--repeat N`` times each trace made N times longer at the same arrival rate (:func:`repeated`: N copies one after
-another, each with sessions and blocks of its own): what a policy's decision time does as a trace grows, where
-loading the kernels weighs less and the per-request work more. A list (``--repeat 1,4,16``) gives a row per trace and
-length, labelled ``trace xN``. ``--save-traces DIR`` keeps those traces (``DIR/TRACE_xN.npz``) for ``train.py replay
---trace``; ``--pause SECONDS`` puts the copies that much further apart (see :func:`repeated` for why hit rates on
-copies back to back need care).
+``--repeat N`` times each trace made N times longer at the same arrival rate (:func:`sae_env.trace.repeated`: N
+copies one after another, each with sessions and blocks of its own): what a policy's decision time does as a trace
+grows, where loading the kernels weighs less and the per-request work more. A list (``--repeat 1,4,16``) gives a row
+per trace and length, labelled ``trace xN``. ``--save-traces DIR`` keeps those traces (``DIR/TRACE_xN.npz``) for
+``train.py replay --trace``; ``--pause SECONDS`` puts the copies that much further apart (see
+:func:`sae_env.trace.repeated` for why hit rates on copies back to back need care).
 
 ``--warm`` runs the same ``train.py replay`` command in this process instead, ``--runs`` times per trace after one
 unreported call: each call's replays find the kernels loaded and the process warm, so a ratio is per-request work
@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import io
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -42,44 +41,11 @@ import tempfile
 from pathlib import Path
 from typing import NoReturn
 
-import numpy as np
-
 from sae_env.files import check_output_file, write_json
-from sae_env.trace import Trace, concat
+from sae_env.trace import check_pause, repeated
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ("wildchat", "taubench", "bailian", "mooncake_arxiv", "mooncake_synthetic")
-
-
-def repeated(trace: Trace, n: int, pause: float = 0.0) -> Trace:
-    """``trace`` ``n`` times in a row: copy ``k`` arrives ``k`` times (the span plus one mean gap, plus ``pause``
-    seconds) later, with its own session ids and block keys (XOR with a per-copy constant: equal keys stay equal within
-    a copy, and copies share no block, not even a system prompt, so a copy's hits are its own).
-
-    Back to back (``pause`` 0) every session still going at a copy's end stops there, all at once, while the next
-    copy's sessions start at once: a seam no real trace has, which a policy that bets on sessions continuing pays for
-    until its posteriors have decayed. A pause of an hour lets them decay first (README, "The ranking's clock has
-    steps")."""
-    check_pause(pause)
-    span = float(trace.t[-1] - trace.t[0]) if len(trace) else 0.0
-    step = span + (span / (len(trace) - 1) if len(trace) > 1 else 1.0) + pause
-    sessions = int(trace.session.max()) + 1 if len(trace) else 0
-    copies = []
-    for k in range(n):
-        c = trace.take(np.arange(len(trace)))
-        salt = np.int64(np.uint64((0x9E3779B97F4A7C15 * k) % 2**64).view(np.int64))
-        c.t = trace.t + k * step
-        c.session = np.where(trace.session >= 0, trace.session + k * sessions, trace.session)
-        c.prompt_keys = trace.prompt_keys ^ salt
-        c.output_keys = trace.output_keys ^ salt
-        copies.append(c)
-    return concat(copies)
-
-
-def check_pause(pause: float) -> None:
-    """ValueError unless ``pause`` (seconds between tiled copies, :func:`repeated`) is finite and at least 0."""
-    if not (math.isfinite(pause) and pause >= 0):
-        raise ValueError(f"pause must be a finite number of seconds >= 0, got {pause!r}")
 
 
 def row_label(trace: str, n: int) -> str:

@@ -20,7 +20,10 @@ SAECache (or ``policy=P``) built with those constructor options (a switch flippe
 ``--criteria`` like SAECache itself. ``--halves`` replays each trace as two: its sessions split by when they start
 (the first half of the sessions, then the rest; ``--halves alternate``: every other session, the odd and the even
 half; :func:`sae_env.trace.session_halves`): two shorter traces of each source, a check of how a result carries over
-to other traces of it (README, "Held out: the shipped traces in halves").
+to other traces of it (README, "Held out: the shipped traces in halves"). ``--repeat N`` replays each trace made N
+times longer at the same load (:func:`sae_env.trace.repeated`: N copies one after another, each with sessions and
+blocks of its own; ``--pause SECONDS`` puts them that much further apart): the held-out traces are longer ones of
+the same sources, and a cache of the same fraction of their distinct blocks holds more of their working set.
 
     python benchmarks/gap_table.py [--traces wildchat,taubench] [--capacities 0.05,0.1,0.2]
                                    [--policies lru,lpc,saecache,reuse-oracle,session-oracle,belady] [--json FILE]
@@ -33,6 +36,8 @@ to other traces of it (README, "Held out: the shipped traces in halves").
         --variant one-step:refit_steps=1 --variant no-features:continuation_features=false
     python benchmarks/gap_table.py --halves --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady --criteria
     python benchmarks/gap_table.py --halves alternate --capacities 0.02,0.05,0.1,0.2 \
+        --policies lru,lpc,saecache,belady --criteria
+    python benchmarks/gap_table.py --repeat 4 [--pause 3600] --capacities 0.02,0.05,0.1,0.2 \
         --policies lru,lpc,saecache,belady --criteria
 """
 
@@ -53,7 +58,7 @@ from sae_env.metrics import summarize
 from sae_env.policies import make_policy, policy_names
 from sae_env.replay import Replay
 from sae_env.sources import open_trace
-from sae_env.trace import HALF_SPLITS, session_halves
+from sae_env.trace import HALF_SPLITS, check_pause, repeated, session_halves
 
 TRACES = ("wildchat", "mooncake_arxiv", "mooncake_synthetic", "taubench", "bailian")
 HALF_LABELS = {"start": ("early half", "late half"), "alternate": ("odd half", "even half")}  # rows' "half"
@@ -188,7 +193,7 @@ def _table_rows(trace: Any, name: str, half: str | None, seed: int | None, optio
                     c[who] = c.get(who, 0.0) + cells[who][1]
                 c["requests"] += len(trace)
         share = {pol: gap_share(rate[pol], rate["lru"], rate["belady"]) for pol in columns}
-        rows.append({"trace": name, "half": half, "seed": seed,
+        rows.append({"trace": name, "half": half, "seed": seed, "repeat": args.repeat, "pause": args.pause,
                      "options": {k: v for k, v in options.items() if k != "seed"}, "capacity": f,
                      "capacity_blocks": capacity, "token_hit_rate": rate, "gap_share": share})
         out = [f"{100 * rate[pol]:.2f}" + ("" if share[pol] is None else f" ({round(100 * share[pol])} %)")
@@ -221,7 +226,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--halves", nargs="?", const="start", choices=HALF_SPLITS, help="replay each trace as two, its "
                    "sessions split by when they start: the first half of the sessions, then the rest (start, the "
                    "default), or every other one (alternate); how a result carries over to other traces of a source")
+    p.add_argument("--repeat", type=int, default=1, metavar="N", help="replay each trace made N times longer at the "
+                   "same load: N copies one after another, sessions and blocks of their own (default 1: as shipped)")
+    p.add_argument("--pause", type=float, default=0.0, metavar="SECONDS", help="with --repeat: seconds between the "
+                   "copies (default 0: back to back)")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        print(f"error: --repeat must be at least 1, got {args.repeat}", file=sys.stderr)
+        return 2
+    try:
+        check_pause(args.pause)
+    except ValueError as e:
+        print(f"error: --pause: {e}", file=sys.stderr)
+        return 2
+    if args.repeat > 1 and args.halves:
+        print("error: --repeat and --halves: one at a time (halves of copies would cut each copy's sessions apart)",
+              file=sys.stderr)
+        return 2
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     try:
         opts = parse_options(args.opt)
@@ -266,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: --opt: {name}: {e}", file=sys.stderr)
                 return 2
             given = [f"{k}={v}" for k, v in options.items() if k != "seed"] + ([] if seed is None else [f"seed {seed}"])
+            if args.repeat > 1:
+                trace = repeated(trace, args.repeat, args.pause)
             if args.halves:
                 try:
                     parts = list(zip(HALF_LABELS[args.halves], session_halves(trace, args.halves), strict=True))
@@ -275,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 parts = [(None, trace)]
             for half, trace in parts:
-                label = name + (f" {half}" if half else "") + (f" ({', '.join(given)})" if given else "")
+                label = (name + (f" x{args.repeat}" if args.repeat > 1 else "") + (f" {half}" if half else "")
+                         + (f" ({', '.join(given)})" if given else ""))
                 rows.extend(_table_rows(trace, name, half, seed, options, label, fractions, policies, variants, args,
                                         cpu, header))
     print(f"\nToken hit rate % (share of the LRU-to-Belady gap); instant serving, window {args.window}; "
@@ -283,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.criteria:
         where = ("as shipped" if not opts else
                  "with " + ", ".join(f"{k}={v}" for k, v in opts.items()) + " where their source takes it")
+        if args.repeat > 1:
+            where = f"made {args.repeat} times longer" + (f" ({args.pause:g} s apart)" if args.pause else "") + (
+                "" if not opts else ", " + where)
         if args.halves:
             where = ("in halves" if args.halves == "start" else "in alternate halves") + ("" if not opts else
                                                                                           ", " + where)

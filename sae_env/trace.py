@@ -47,11 +47,13 @@ __all__ = [
     "TraceFormatError",
     "chain_keys",
     "chain_requests",
+    "check_pause",
     "concat",
     "concat_ranges",
     "content_hash",
     "csr_offsets",
     "mix64",
+    "repeated",
     "session_halves",
     "token_blocks",
 ]
@@ -797,6 +799,39 @@ def concat(traces: Sequence[Trace], meta: dict[str, Any] | None = None) -> Trace
 
 
 HALF_SPLITS = ("start", "alternate")  # session_halves' ways to split a trace
+
+
+def repeated(trace: Trace, n: int, pause: float = 0.0) -> Trace:
+    """``trace`` ``n`` times in a row: copy ``k`` arrives ``k`` times (the span plus one mean gap, plus ``pause``
+    seconds) later, with its own session ids and block keys (XOR with a per-copy constant: equal keys stay equal within
+    a copy, and copies share no block, not even a system prompt, so a copy's hits are its own).
+
+    Back to back (``pause`` 0) every session still going at a copy's end stops there, all at once, while the next
+    copy's sessions start at once: a seam no real trace has, which a policy that bets on sessions continuing pays for
+    until its posteriors have decayed. A pause of an hour lets them decay first (README, "The ranking's clock has
+    steps"). What a longer trace of the same source looks like to a policy whose cache is the same fraction of its
+    distinct blocks (``benchmarks/gap_table.py --repeat``), and what its decision time does as a trace grows
+    (``benchmarks/decision_time.py --repeat``)."""
+    check_pause(pause)
+    span = float(trace.t[-1] - trace.t[0]) if len(trace) else 0.0
+    step = span + (span / (len(trace) - 1) if len(trace) > 1 else 1.0) + pause
+    sessions = int(trace.session.max()) + 1 if len(trace) else 0
+    copies = []
+    for k in range(n):
+        c = trace.take(np.arange(len(trace)))
+        salt = np.int64(np.uint64((0x9E3779B97F4A7C15 * k) % 2**64).view(np.int64))
+        c.t = trace.t + k * step
+        c.session = np.where(trace.session >= 0, trace.session + k * sessions, trace.session)
+        c.prompt_keys = trace.prompt_keys ^ salt
+        c.output_keys = trace.output_keys ^ salt
+        copies.append(c)
+    return concat(copies)
+
+
+def check_pause(pause: float) -> None:
+    """ValueError unless ``pause`` (seconds between tiled copies, :func:`repeated`) is finite and at least 0."""
+    if not (math.isfinite(pause) and pause >= 0):
+        raise ValueError(f"pause must be a finite number of seconds >= 0, got {pause!r}")
 
 
 def session_halves(trace: Trace, split: str = "start") -> tuple[Trace, Trace]:

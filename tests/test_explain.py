@@ -465,3 +465,40 @@ def test_gap_table_criteria_put_seeded_cells_at_their_seed_means(capsys):
     narrow = [row("wildchat", s, 0.2, belady=0.12) for s in (0, 1)] + [row("mooncake", None, 0.11)]
     gap_table.print_criteria(narrow, {}, "in a test")
     assert "(2): -1.00" in capsys.readouterr().out  # WildChat's cell is narrow at seed 0: not among the wide
+
+
+def test_gap_table_repeat(tmp_path):
+    """--repeat N replays each trace made N times longer (sae_env.trace.repeated, --pause seconds apart): each row the
+    number of the longer trace replayed here, its cache the same fraction of the longer trace's distinct blocks, the
+    rows and the criteria labelled so. Bad values, or --repeat with --halves, exit 2 with one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sae_env.cache import resolve_capacity
+    from sae_env.metrics import summarize
+    from sae_env.sources import open_trace
+    from sae_env.trace import repeated
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gap_table.py"
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, str(script), "--traces", "wildchat", "--capacities", "0.05", "--repeat", "2",
+                          "--pause", "600", "--policies", "lru,lpc,saecache,belady", "--criteria", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    (row,) = json.loads(out.read_text())
+    trace, _ = open_trace("wildchat")
+    longer = repeated(trace, 2, pause=600.0)
+    assert len(longer) == 2 * len(trace) and longer.distinct_blocks() == 2 * trace.distinct_blocks()
+    assert row["repeat"] == 2 and row["pause"] == 600.0
+    assert row["capacity_blocks"] == resolve_capacity(0.05, longer.distinct_blocks())
+    rep = Replay(longer, PrefixCache(row["capacity_blocks"], make_policy("lru")), None, window_requests=200)
+    rep.run()
+    assert row["token_hit_rate"]["lru"] == summarize(rep.windows)["token_hit_rate"]
+    assert "| wildchat x2 | 5% (" in run.stdout
+    assert "on the traces made 2 times longer (600 s apart) (seed 0)" in run.stdout
+    for bad in (["--repeat", "0"], ["--pause", "-1"], ["--pause", "nan"], ["--repeat", "2", "--halves"]):
+        done = subprocess.run([sys.executable, str(script), "--traces", "wildchat", *bad], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, (bad, done.stderr)
+        assert done.stdout == "", bad

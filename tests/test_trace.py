@@ -20,6 +20,7 @@ from sae_env.trace import (
     chain_keys,
     chain_requests,
     concat,
+    repeated,
     session_halves,
     token_blocks,
 )
@@ -418,3 +419,46 @@ def test_session_halves_rejects_an_unknown_split():
     assert len(session_halves(trace, "alternate")[0]) == 2  # sessions 0 and 2
     with pytest.raises(ValueError, match="unknown split 'random'; valid splits: start, alternate"):
         session_halves(trace, "random")
+
+
+def test_repeat_makes_copies_that_share_nothing():
+    """repeated (decision_time.py and gap_table.py --repeat): n copies in a row at the same arrival rate, each with
+    sessions and blocks of its own.
+    Differential check: LRU never evicts a newer block while an older one is cached, so a copy's blocks see a cache
+    full of the previous copies' as an empty one: n times the hits of the trace itself."""
+    from sae_env.metrics import summarize
+    from sae_env.policies import make_policy
+    from sae_env.replay import replay
+    from sae_env.sources import open_trace
+
+    trace, _ = open_trace("mooncake_arxiv")
+    longer = repeated(trace, 3)
+    n = len(trace)
+    assert len(longer) == 3 * n and np.all(np.diff(longer.t) >= 0)
+    np.testing.assert_allclose(longer.t[n:2 * n] - trace.t, longer.t[n] - trace.t[0], rtol=0, atol=1e-9)
+    assert longer.t[n] > trace.t[-1]
+    copies = [set(longer.prompt_keys[longer.prompt_offsets[k * n]:longer.prompt_offsets[(k + 1) * n]].tolist())
+              for k in range(3)]
+    assert not (copies[0] & copies[1]) and not (copies[1] & copies[2])
+    assert len(copies[0]) == len(set(trace.prompt_keys.tolist()))
+    known = longer.session[longer.session >= 0]
+    assert np.unique(known).size == 3 * np.unique(trace.session[trace.session >= 0]).size
+    capacity = 400
+    hits = [summarize(replay(t, make_policy("lru"), capacity).windows)["hit_tokens"] for t in (trace, longer)]
+    assert hits[1] == 3 * hits[0] > 0
+
+
+def test_a_pause_puts_the_copies_further_apart_and_nothing_else():
+    from sae_env.sources import open_trace
+
+    trace, _ = open_trace("mooncake_arxiv")
+    back_to_back, apart = repeated(trace, 3), repeated(trace, 3, pause=3600.0)
+    n = len(trace)
+    for k in range(3):
+        np.testing.assert_allclose(apart.t[k * n:(k + 1) * n] - back_to_back.t[k * n:(k + 1) * n], 3600.0 * k,
+                                   rtol=0, atol=1e-6)
+    for name in ("session", "prompt_keys", "output_keys", "prompt_offsets"):
+        np.testing.assert_array_equal(getattr(apart, name), getattr(back_to_back, name))
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="pause must be a finite number of seconds >= 0"):
+            repeated(trace, 2, pause=bad)
