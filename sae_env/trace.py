@@ -811,7 +811,10 @@ def repeated(trace: Trace, n: int, pause: float = 0.0) -> Trace:
     until its posteriors have decayed. A pause of an hour lets them decay first (README, "The ranking's clock has
     steps"). What a longer trace of the same source looks like to a policy whose cache is the same fraction of its
     distinct blocks (``benchmarks/gap_table.py --repeat``), and what its decision time does as a trace grows
-    (``benchmarks/decision_time.py --repeat``)."""
+    (``benchmarks/decision_time.py --repeat``). ValueError for ``n`` below 1 or a ``pause`` :func:`check_pause`
+    rejects."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"repeated: n must be a whole number >= 1, got {n!r}")
     check_pause(pause)
     span = float(trace.t[-1] - trace.t[0]) if len(trace) else 0.0
     step = span + (span / (len(trace) - 1) if len(trace) > 1 else 1.0) + pause

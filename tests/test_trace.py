@@ -462,3 +462,7 @@ def test_a_pause_puts_the_copies_further_apart_and_nothing_else():
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="pause must be a finite number of seconds >= 0"):
             repeated(trace, 2, pause=bad)
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="n must be a whole number >= 1"):
+            repeated(trace, bad)
+    assert len(repeated(trace, 1)) == n and np.array_equal(repeated(trace, 1).prompt_keys, trace.prompt_keys)
