@@ -39,6 +39,11 @@ the same sources, and a cache of the same fraction of their distinct blocks hold
         --policies lru,lpc,saecache,belady --criteria
     python benchmarks/gap_table.py --repeat 4 [--pause 3600] --capacities 0.02,0.05,0.1,0.2 \
         --policies lru,lpc,saecache,belady --criteria
+    python benchmarks/gap_table.py --traces my_trace.jsonl --source mooncake --capacities 0.02,0.05,0.1,0.2 \
+        --policies lru,lpc,saecache,belady --criteria
+
+``--traces`` takes trace files too, in the format ``--source`` names (as ``train.py replay --source``; inferred for
+native ``.npz`` / ``.jsonl`` traces): the issue's checks on a trace of one's own.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from agents.cli import AgentsExtension
@@ -209,7 +215,9 @@ def _table_rows(trace: Any, name: str, half: str | None, seed: int | None, optio
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--traces", default=",".join(TRACES), help="embedded trace names (comma list)")
+    p.add_argument("--traces", default=",".join(TRACES), help="embedded trace names or trace files (comma list)")
+    p.add_argument("--source", help="the format of the trace files in --traces (as replay's --source: mooncake, "
+                   "bailian, conversations, taubench, ...; inferred for native .npz / .jsonl traces)")
     p.add_argument("--capacities", default="0.05,0.1,0.2", help="fractions of the distinct blocks (comma list)")
     p.add_argument("--policies", default=",".join(POLICIES), help="policies (comma list; lru and belady needed)")
     p.add_argument("--window", type=int, default=200, help="requests per window, as replay's default")
@@ -273,18 +281,23 @@ def main(argv: list[str] | None = None) -> int:
     columns = policies + list(variants)
     header = ["| trace | capacity | gap (pp) | " + " | ".join(columns) + (" | margin |" if args.criteria else " |"),
               "|---|---|---|" + "---|" * (len(columns) + args.criteria)]  # printed before the first row
+
+    def source(name: str) -> str | None:
+        """--source for a trace file; an embedded trace's name keeps its own format."""
+        return args.source if Path(name).exists() else None
+
     for name in [x.strip() for x in args.traces.split(",") if x.strip()]:
         for seed in (seeds or [None]):
             options = {**opts, **({} if seed is None else {"seed": seed})}
             try:
-                trace, _ = open_trace(name, None, options, None)
+                trace, _ = open_trace(name, source(name), options, None)
             except UnknownOptionError:  # a source without arrival seeds or one of the options: once, as shipped
                 if seed is not None and seed != seeds[0]:
                     continue
-                trace, _ = open_trace(name, None, {}, None)
+                trace, _ = open_trace(name, source(name), {}, None)
                 seed, options = None, {}
-            except ValueError as e:  # a value the source rejects (its message names the option)
-                print(f"error: --opt: {name}: {e}", file=sys.stderr)
+            except ValueError as e:  # a value the source rejects (its message names the option), or a bad file
+                print(f"error: {'--opt: ' if opts else ''}{name}: {e}", file=sys.stderr)
                 return 2
             given = [f"{k}={v}" for k, v in options.items() if k != "seed"] + ([] if seed is None else [f"seed {seed}"])
             if args.repeat > 1:
@@ -305,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nToken hit rate % (share of the LRU-to-Belady gap); instant serving, window {args.window}; "
           f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
     if args.criteria:
-        where = ("as shipped" if not opts else
+        files = [n for n in args.traces.split(",") if n.strip() and Path(n.strip()).exists()]
+        shipped = "as given" if files else "as shipped"
+        where = (shipped if not opts else
                  "with " + ", ".join(f"{k}={v}" for k, v in opts.items()) + " where their source takes it")
         if args.repeat > 1:
             where = f"made {args.repeat} times longer" + (f" ({args.pause:g} s apart)" if args.pause else "") + (

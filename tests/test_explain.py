@@ -502,3 +502,34 @@ def test_gap_table_repeat(tmp_path):
                               text=True, timeout=300)
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, (bad, done.stderr)
         assert done.stdout == "", bad
+
+
+def test_gap_table_takes_trace_files(tmp_path):
+    """--traces FILE --source FORMAT: the embedded mooncake_arxiv's own file read as a Mooncake trace gives the rows of
+    the embedded name (the same trace), and the criteria say "as given"; a file without --source, or with a format it
+    is not in, exits 2 with one line naming the file."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sae_env import data
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gap_table.py"
+    path = str(data.ALL["mooncake_arxiv"][0])
+    rows = []
+    for traces, extra in ((path, ["--source", "mooncake", "--criteria"]), ("mooncake_arxiv", [])):
+        out = tmp_path / "rows.json"
+        run = subprocess.run([sys.executable, str(script), "--traces", traces, "--capacities", "0.05", "--policies",
+                              "lru,lpc,saecache,belady", "--json", str(out), *extra], capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr
+        rows.append(json.loads(out.read_text()))
+        if extra:
+            assert "on the traces as given (seed 0)" in run.stdout
+    assert rows[0][0]["token_hit_rate"] == rows[1][0]["token_hit_rate"]
+    assert rows[0][0]["capacity_blocks"] == rows[1][0]["capacity_blocks"]
+    for extra in ([], ["--source", "bailian"], ["--source", "nope"]):
+        done = subprocess.run([sys.executable, str(script), "--traces", path, "--capacities", "0.05", "--policies",
+                               "lru,belady", *extra], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, (extra, done.stderr)
+        assert path in done.stderr and done.stdout == "", extra
