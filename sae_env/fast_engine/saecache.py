@@ -165,7 +165,10 @@ R_Q, R_SLOT, R_FLAGS, R_REASON, R_LIVE = range(5)
 # again; 1: yes, and its best too; 2: yes, its best to be rescored: see _join), whether it is dirty
 # (SAECachePolicy._dirty: blocks joined since its last scan), the candidates a sampled structural group holds from its
 # last scan (-1: never scanned), then its three candidates (-1: none).
+# Then the newest block of its list when known, and its release stamp (valid while that slot is listed in this group
+# with that stamp; see _add).
 G_COUNT, G_ORDER, G_SLOT, G_SEEN, G_FRESH, G_DIRTY, G_HN, G_CAND = range(8)
+G_TAIL, G_TAILSTAMP = G_CAND + 3, G_CAND + 4
 # Per group (int64): its best candidate's release stamp, the constants' epoch then, and each candidate's release stamp
 # when its bound (G_CLB) was computed.
 G_STAMP, G_EPOCH, G_CSTAMP = range(3)
@@ -180,7 +183,7 @@ class SAEState(NamedTuple):
     req: np.ndarray  # int8 [R_*, request]
     n_prompt: np.ndarray  # int32 per request: prompt blocks (at least 1)
     req_pst: np.ndarray  # float64 per request: the structural continuation rate after its arrival
-    gi: np.ndarray  # int32 [G_*, group] (G_CAND + 0 .. 2: the candidates)
+    gi: np.ndarray  # int32 [G_*, group] (G_CAND + 0 .. 2: the candidates; G_TAIL, G_TAILSTAMP)
     gl: np.ndarray  # int64 [G_STAMP | G_EPOCH | G_CSTAMP + 0 .. 2, group]
     gf: np.ndarray  # float64 [G_SCORE | G_NOW | G_LB | G_UNTIL | G_CLB + 0 .. 2 | G_CUNTIL + 0 .. 2, group]
     slotp: np.ndarray  # float64 per bin: the continuation probability it stands for
@@ -216,8 +219,25 @@ class SAEState(NamedTuple):
 def _add(ps, rec, s, where):
     """Slot ``s`` joins its group's list (where=1) or returned set (where=2)."""
     g = rec[s, GROUP]
+    gi = ps.gi
+    tail = gi[G_TAIL, g] if where == 1 else -1
+    if tail >= 0 and not (rec[tail, WHERE] == 1 and rec[tail, GROUP] == g and rec[tail, STAMP] == gi[G_TAILSTAMP, g]):
+        tail = -1  # it left the list since (or its slot holds another block now): not known
     rec[s, WHERE] = where
-    tp.insert(ps.root, rec, np.int64(s))  # one compiled insert for every caller's slot type
+    if tail >= 0 and rec[s, STAMP] > rec[tail, STAMP]:
+        # A release, the common case: its stamp is the newest, so the list's newest block is its predecessor in the
+        # treap's order, and the insertion starts there instead of at the root (the same tree: treap.insert_after).
+        tp.insert_after(ps.root, rec, np.int64(s), np.int64(tail))
+        tail = s
+    else:
+        tp.insert(ps.root, rec, np.int64(s))  # one compiled insert for every caller's slot type
+        if where == 1 and tail < 0:  # the newest if its successor is not in this list
+            nxt = tp.after(rec, s)
+            if nxt < 0 or rec[nxt, GROUP] != g or rec[nxt, WHERE] != 1:
+                tail = s
+    if tail >= 0:
+        gi[G_TAIL, g] = tail
+        gi[G_TAILSTAMP, g] = rec[tail, STAMP]
     ps.gi[G_COUNT, g] += 1
     if ps.gi[G_FRESH, g]:
         _join(ps, rec, g, s, where)
@@ -256,19 +276,22 @@ def _join(ps, rec, g, s, where):
 def _remove(ps, rec, s):
     g = rec[s, GROUP]
     k = tp.key(rec, s)
+    gi = ps.gi
+    cand = gi[G_FRESH, g] and (s == gi[G_CAND, g] or s == gi[G_CAND + 1, g] or s == gi[G_CAND + 2, g])
+    nxt = tp.after(rec, s) if cand else -1  # the least key above k once s is gone: its successor now
     tp.delete(ps.root, rec, np.int64(s))
     rec[s, WHERE] = 0
-    gi = ps.gi
     gi[G_COUNT, g] -= 1
-    if gi[G_FRESH, g] and (s == gi[G_CAND, g] or s == gi[G_CAND + 1, g] or s == gi[G_CAND + 2, g]):
-        _leave(ps, rec, g, s, k)
+    if cand:
+        _leave(ps, rec, g, s, k, nxt)
 
 
 @inline
-def _leave(ps, rec, g, s, k):
-    """_group_cands of group ``g`` after its candidate ``s`` (key ``k``) left: the oldest of a set is followed by the
-    next of that set (one search, not four); the newest leaving, or an oldest that was also the newest, and the
-    group's candidates are searched again. Any other block leaves them as they are. Its best is rescored."""
+def _leave(ps, rec, g, s, k, nxt):
+    """_group_cands of group ``g`` after its candidate ``s`` (key ``k``, followed by ``nxt`` in the treap's order)
+    left: the oldest of a set is followed by the next of that set; the newest leaving, or an oldest that was also the
+    newest, and the group's candidates are searched again. Any other block leaves them as they are. Its best is
+    rescored."""
     gi = ps.gi
     a, b, n = gi[G_CAND, g], gi[G_CAND + 1, g], gi[G_CAND + 2, g]
     if s == n:
@@ -279,7 +302,6 @@ def _leave(ps, rec, g, s, k):
         if other < 0 or rec[s, STAMP] > rec[other, STAMP]:
             gi[G_FRESH, g] = 0
             return
-    nxt = tp.lower(ps.root, rec, k + 1)
     if nxt >= 0 and (tp.key(rec, nxt) >> 32) != (k >> 32):  # another set or group
         nxt = -1
     if s == a:
@@ -1035,7 +1057,7 @@ class SAECacheTwin(Twin):
         vbin = np.array(value_bins(depths, trace.block_size, policy.value_context) if sw["hit_value"] else [0],
                         dtype=np.int32)
         groups = N_GROUPS * (int(vbin.max()) + 1)
-        gi = np.zeros((G_CAND + 3, groups), dtype=np.int32)
+        gi = np.zeros((G_TAILSTAMP + 1, groups), dtype=np.int32)
         gi[G_DIRTY], gi[G_HN, :N_ST], gi[G_CAND:] = 1, -1, -1
         gl = np.zeros((G_CSTAMP + 3, groups), dtype=np.int64)
         gl[G_EPOCH] = -1

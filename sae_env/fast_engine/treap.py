@@ -15,7 +15,8 @@ import numpy as np
 from sae_env.fast_engine.jit import inline, jit
 from sae_env.fast_engine.loop import P0, P1, P2, P3, P4, P5
 
-__all__ = ["GROUP", "LEFT", "RIGHT", "STAMP", "UP", "WHERE", "after", "below", "delete", "insert", "key", "lower"]
+__all__ = ["GROUP", "LEFT", "RIGHT", "STAMP", "UP", "WHERE", "after", "below", "delete", "insert", "insert_after",
+           "key", "lower"]
 
 STAMP, GROUP, WHERE, LEFT, RIGHT, UP = P0, P1, P2, P3, P4, P5
 
@@ -80,9 +81,36 @@ def insert(root, rec, s):
                 break
             x = rec[x, RIGHT]
     rec[s, UP] = x
+    _sift_up(root, rec, s)
+
+
+@inline
+def _sift_up(root, rec, s):
+    """Slot ``s``, just hung at its key's place as a leaf, rotated up to its priority's."""
     ps_ = _prio(s)
     while rec[s, UP] >= 0 and ps_ > _prio(rec[s, UP]):
         _rotate_up(root, rec, s)
+
+
+@jit
+def insert_after(root, rec, s, p):
+    """Slot ``s`` joins, given ``p``: the member whose key is the greatest below ``s``'s (a finger). The same tree
+    as :func:`insert`, whose descent from the root ends at the same place, between ``p`` and its in-order successor:
+    ``p``'s right link if it has no right child, else the successor's left link (the leftmost of that right subtree).
+    From ``p`` that is a walk down one left spine, two nodes on average in a treap, against the root's depth (about
+    twenty nodes for ten thousand slots). A caller that knows a group's newest member inserts the next one so."""
+    rec[s, LEFT] = -1
+    rec[s, RIGHT] = -1
+    x = rec[p, RIGHT]
+    if x < 0:
+        rec[p, RIGHT] = s
+        rec[s, UP] = p
+    else:
+        while rec[x, LEFT] >= 0:
+            x = rec[x, LEFT]
+        rec[x, LEFT] = s
+        rec[s, UP] = x
+    _sift_up(root, rec, s)
 
 
 @jit
