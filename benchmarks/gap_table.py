@@ -16,7 +16,8 @@ excluded; on short traces loading weighs more in it, so its ratios are lower.
 several seeds and adds the mean margin with its 95 % interval per cache size. ``--opt KEY=VALUE`` (repeatable) sets a
 source option, e.g. WildChat's session arrival ``rate``, on the traces whose source takes it (with the seeds); a trace
 whose source does not take every option is replayed once, as shipped. ``--variant NAME:KEY=VALUE,...`` adds a column:
-SAECache (or ``policy=P``) built with those constructor options (a switch flipped, ``refit_steps``), checked by
+SAECache (or ``policy=P``: a registered name, or ``module:Class``, e.g. a probe of ``benchmarks/probes/``, importable
+as ``probes.NAME``) built with those constructor options (a switch flipped, ``refit_steps``), checked by
 ``--criteria`` like SAECache itself. ``--halves`` replays each trace as two: its sessions split by when they start
 (the first half of the sessions, then the rest; ``--halves alternate``: every other session, the odd and the even
 half; :func:`sae_env.trace.session_halves`): two shorter traces of each source, a check of how a result carries over
@@ -34,6 +35,8 @@ the same sources, and a cache of the same fraction of their distinct blocks hold
         --criteria --seeds 0,1,2,3,4 --opt rate=0.1
     python benchmarks/gap_table.py --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady --criteria \
         --variant one-step:refit_steps=1 --variant no-features:continuation_features=false
+    python benchmarks/gap_table.py --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady --criteria \
+        --variant h15:policy=probes.horizon:Horizon,horizon_sigmas=1.5
     python benchmarks/gap_table.py --halves --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady --criteria
     python benchmarks/gap_table.py --halves alternate --capacities 0.02,0.05,0.1,0.2 \
         --policies lru,lpc,saecache,belady --criteria
@@ -169,7 +172,7 @@ def parse_variants(specs: list[str] | None, policies: list[str]) -> dict[str, tu
                              f"=1), got {spec!r}")
         options = parse_options([x for x in rest.split(",") if x.strip()], f"--variant {name}")
         policy = str(options.pop("policy", "saecache"))
-        if policy not in policy_names():
+        if policy not in policy_names() and ":" not in policy:
             raise UsageError(f"--variant {name}: unknown policy {policy!r}")
         try:
             make_policy(policy, **options)
@@ -229,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--opt", action="append", metavar="KEY=VALUE", help="a source option (repeatable; YAML value), "
                    "e.g. --opt rate=0.1, for the traces whose source takes it (the others once, as shipped)")
     p.add_argument("--variant", action="append", metavar="NAME:KEY=VALUE,...", help="one more column: saecache (or "
-                   "policy=P) built with these constructor options, e.g. --variant no-features:continuation_features="
-                   "false or --variant fast-refit:refit_steps=1 (repeatable; --criteria checks it too)")
+                   "policy=P, a registered name or module:Class, e.g. probes.relabel:Relabel) built with these "
+                   "constructor options, e.g. --variant no-features:continuation_features=false or --variant "
+                   "fast-refit:refit_steps=1 (repeatable; --criteria checks it too)")
     p.add_argument("--halves", nargs="?", const="start", choices=HALF_SPLITS, help="replay each trace as two, its "
                    "sessions split by when they start: the first half of the sessions, then the rest (start, the "
                    "default), or every other one (alternate); how a result carries over to other traces of a source")

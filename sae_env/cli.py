@@ -214,14 +214,20 @@ REPLAY_COLUMNS = ("token_hit_rate", "block_hit_rate", "hit_tokens", "evictions",
 
 
 def _policy_list(text: str) -> list[str]:
-    """A comma list of registered policy names (UsageError naming the unknown ones)."""
-    from sae_env.policies import policy_names
+    """A comma list of registered policy names or ``module:Class`` policies (UsageError naming the unknown ones)."""
+    from sae_env.policies import policy_class, policy_names
 
     names = [p.strip() for p in text.split(",") if p.strip()]
     valid = policy_names()
-    bad = [p for p in names if p not in valid]
+    bad = [p for p in names if p not in valid and ":" not in p]
     if not names or bad:
-        raise UsageError(f"unknown policy {bad or text!r}; valid policies: {', '.join(valid)}")
+        raise UsageError(f"unknown policy {bad or text!r}; valid policies: {', '.join(valid)} (or 'module:Class')")
+    for p in names:
+        if ":" in p:
+            try:
+                policy_class(p)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
     return names
 
 
@@ -330,10 +336,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
             f"capacity {capacities[0]} blocks ({capacities[0] / max(distinct, 1):.1%})")
     print(f"{len(trace)} requests, {trace.n_blocks} prompt blocks, {distinct} distinct blocks, {size}, block size "
           f"{trace.block_size}, serving {args.serving}")
-    print(("capacity".rjust(10) + "  " if sweep else "") + "policy".ljust(14)
+    width = max(14, *(len(r["policy"]) + 2 for r in results))  # module:Class names run longer than registered ones
+    print(("capacity".rjust(10) + "  " if sweep else "") + "policy".ljust(width)
           + "".join(c[:12].rjust(13) for c in REPLAY_COLUMNS))
     for r in results:
-        print((str(r["capacity_blocks"]).rjust(10) + "  " if sweep else "") + r["policy"].ljust(14)
+        print((str(r["capacity_blocks"]).rjust(10) + "  " if sweep else "") + r["policy"].ljust(width)
               + "".join(" " + _fmt(r[c]) for c in REPLAY_COLUMNS))
     for name in names:
         taken = _given_options(args, name)

@@ -40,6 +40,21 @@ def test_replay_instant_has_no_ttft_and_lists_policies_side_by_side(tmp_path, ca
     assert rows[1]["hit_tokens"] >= rows[0]["hit_tokens"]  # the oracle bound
 
 
+def test_replay_takes_a_policy_by_module_and_class(tmp_path, capsys):
+    """--policy module:Class replays an unregistered policy class: a registered one named so gives its numbers; a name
+    that imports nothing, or no policy class, exits with status 2 and one line naming it."""
+    out = tmp_path / "r.json"
+    assert main(["replay", "--trace", "bailian", "--policy", "lru,sae_env.policies.lru:LRUPolicy", "--capacity", "0.2",
+                 "--json", str(out)]) == 0
+    named, by_class = json.loads(out.read_text())
+    assert by_class["policy"] == "sae_env.policies.lru:LRUPolicy" and by_class["hit_tokens"] == named["hit_tokens"]
+    capsys.readouterr()
+    for bad, said in (("no_such_module:X", "cannot import"), ("sae_env.trace:Trace", "not a policy class")):
+        assert main(["replay", "--trace", "bailian", "--policy", f"lru,{bad}", "--capacity", "0.2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and bad in err[0] and said in err[0], err
+
+
 def test_replay_with_a_serving_model_reports_ttft(tmp_path):
     out = tmp_path / "r.json"
     assert main(["replay", "--trace", "mooncake_arxiv", "--policy", "saecache", "--capacity", "15%",

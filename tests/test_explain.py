@@ -315,6 +315,33 @@ def test_gap_table_source_options(tmp_path):
         assert run.stdout == "", bad
 
 
+def test_gap_table_variant_of_a_probe_class(tmp_path):
+    """--variant NAME:policy=module:Class takes a policy class of one's own, as the probes of benchmarks/probes/: with
+    its switch at the default's value it gives SAECache's figure exactly (the probe changes only what it says), at
+    another value another figure; a class that cannot be imported exits with status 2 and one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gap_table.py"
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, str(script), "--traces", "wildchat", "--capacities", "0.1", "--policies",
+                          "lru,saecache,belady", "--json", str(out),
+                          "--variant", "h3:policy=probes.horizon:Horizon,horizon_sigmas=3",
+                          "--variant", "h15:policy=probes.horizon:Horizon,horizon_sigmas=1.5",
+                          "--variant", "r0:policy=probes.relabel:Relabel,relabel=false"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    (row,) = json.loads(out.read_text())
+    rate = row["token_hit_rate"]
+    assert rate["h3"] == rate["saecache"] == rate["r0"]
+    assert rate["h15"] != rate["saecache"]
+    bad = subprocess.run([sys.executable, str(script), "--traces", "wildchat", "--variant",
+                          "x:policy=probes.nope:Nope"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "probes.nope" in bad.stderr
+    assert bad.stdout == ""
+
+
 def test_gap_table_variants(tmp_path):
     """--variant adds a column of SAECache built with other options (the same number as make_policy with them,
     replayed as the table replays) and --criteria checks it; a malformed, duplicate or unknown variant exits with

@@ -453,6 +453,22 @@ def test_a_policy_choosing_an_uncached_block_is_refused():
         cache.admit([3], [2], 0.0)
 
 
+def test_a_policy_named_by_module_and_class():
+    """make_policy("module:Class") builds an unregistered policy class (its options passed on); a module or class
+    that is not there, or a class that is not a policy, is a ValueError naming it, before anything of it is called."""
+    from sae_env.policies.lru import LRUPolicy
+    from sae_env.policies.saecache import SAECachePolicy
+
+    assert type(make_policy("sae_env.policies.lru:LRUPolicy")) is LRUPolicy
+    assert make_policy("sae_env.policies.saecache:SAECachePolicy", censoring=False).arrivals.model.censoring is False
+    assert isinstance(make_policy("saecache"), SAECachePolicy)
+    for name, said in (("no_such_module:X", "cannot import"), ("sae_env.policies.lru:Nope", "cannot import"),
+                       ("sae_env.trace:Trace", "not a policy class"), ("os:system", "not a policy class")):
+        with pytest.raises(ValueError, match=said) as e:
+            make_policy(name)
+        assert name in str(e.value)
+
+
 def test_registry():
     assert set(policy_names()) >= {"lru", "lfu", "fifo", "s3fifo", "belady"}
     with pytest.raises(ValueError, match="unknown policy"):

@@ -1,12 +1,14 @@
 """Eviction policies by name. ``make_policy("lru")`` builds one; ``policy_names()`` lists them.
 
 Policies are imported lazily, so that a learned policy's dependencies (torch) load only when it is used. To add a
-policy, write a module with a subclass of :class:`~sae_env.policies.base.EvictionPolicy` and add one line here.
+policy, write a module with a subclass of :class:`~sae_env.policies.base.EvictionPolicy` and add one line here; an
+unregistered one is named ``"module:Class"`` wherever a policy is named by :func:`make_policy`.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from sae_env.policies.base import EvictionPolicy, KeyedPolicy, ParamSpec
@@ -33,10 +35,20 @@ def policy_names() -> list[str]:
 
 
 def policy_class(name: str) -> type[EvictionPolicy]:
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy '{name}'; valid policies: {', '.join(policy_names())}")
-    module, cls = POLICIES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    """The class of the named policy, or of ``"module:Class"`` (a policy of one's own, importable, not registered:
+    an experiment's variant, a probe), checked before anything of it is called: it must be a class deriving from
+    :class:`~sae_env.policies.base.EvictionPolicy`. ValueError otherwise, or for an unknown name."""
+    if not isinstance(name, str) or (name not in POLICIES and ":" not in name):
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(policy_names())} (or 'module:Class')")
+    module, cls = POLICIES.get(name, name).split(":", 1)
+    try:
+        factory = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"policy '{name}': cannot import {module}:{cls} ({e})") from None
+    if not (inspect.isclass(factory) and issubclass(factory, EvictionPolicy)):
+        raise ValueError(f"policy '{name}': {module}:{cls} is not a policy class (a 'module:Class' policy must be a "
+                         f"class deriving from sae_env.policies.base.EvictionPolicy, got {type(factory).__name__})")
+    return factory
 
 
 def make_policy(name: str, **options: Any) -> EvictionPolicy:
