@@ -8,11 +8,11 @@ experiment's shorthand agents (``saecache`` = the saecache policy under its lear
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
 from agents.base import Agent, BaseAgent
+from sae_env.plugins import registered_class
 
 __all__ = ["AGENTS", "LEARNERS", "agent_class", "agent_names", "check_agent_options", "learner_for", "make_agent"]
 
@@ -33,17 +33,7 @@ def agent_class(name: str) -> type[BaseAgent]:
     A ``module:Class`` name must be a class deriving from :class:`agents.base.BaseAgent` (a config cannot make the
     runner call ``subprocess:run`` or any other callable); ValueError otherwise, or for an unknown name.
     """
-    if not isinstance(name, str) or (name not in AGENTS and ":" not in name):
-        raise ValueError(f"unknown agent {name!r}; valid agents: {', '.join(agent_names())} (or 'module:Class')")
-    module, cls = AGENTS.get(name, name).split(":", 1)
-    try:
-        factory = getattr(importlib.import_module(module), cls)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"agent '{name}': cannot import {module}:{cls} ({e})") from None
-    if not (inspect.isclass(factory) and issubclass(factory, BaseAgent)):
-        raise ValueError(f"agent '{name}': {module}:{cls} is not an agent class (a 'module:Class' agent must be a "
-                         f"class deriving from agents.base.BaseAgent, got {type(factory).__name__})")
-    return factory
+    return registered_class("agent", name, AGENTS, BaseAgent, "agents.base.BaseAgent")
 
 
 def check_agent_options(name: str, options: dict[str, Any]) -> type[BaseAgent]:

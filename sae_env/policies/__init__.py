@@ -7,10 +7,9 @@ unregistered one is named ``"module:Class"`` wherever a policy is named by :func
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from typing import Any
 
+from sae_env.plugins import registered_class
 from sae_env.policies.base import EvictionPolicy, KeyedPolicy, ParamSpec
 
 POLICIES: dict[str, str] = {
@@ -38,17 +37,7 @@ def policy_class(name: str) -> type[EvictionPolicy]:
     """The class of the named policy, or of ``"module:Class"`` (a policy of one's own, importable, not registered:
     an experiment's variant, a probe), checked before anything of it is called: it must be a class deriving from
     :class:`~sae_env.policies.base.EvictionPolicy`. ValueError otherwise, or for an unknown name."""
-    if not isinstance(name, str) or (name not in POLICIES and ":" not in name):
-        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(policy_names())} (or 'module:Class')")
-    module, cls = POLICIES.get(name, name).split(":", 1)
-    try:
-        factory = getattr(importlib.import_module(module), cls)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"policy '{name}': cannot import {module}:{cls} ({e})") from None
-    if not (inspect.isclass(factory) and issubclass(factory, EvictionPolicy)):
-        raise ValueError(f"policy '{name}': {module}:{cls} is not a policy class (a 'module:Class' policy must be a "
-                         f"class deriving from sae_env.policies.base.EvictionPolicy, got {type(factory).__name__})")
-    return factory
+    return registered_class("policy", name, POLICIES, EvictionPolicy, "sae_env.policies.base.EvictionPolicy")
 
 
 def make_policy(name: str, **options: Any) -> EvictionPolicy:
