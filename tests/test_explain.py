@@ -560,3 +560,26 @@ def test_gap_table_takes_trace_files(tmp_path):
                                "lru,belady", *extra], capture_output=True, text=True, timeout=300)
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, (extra, done.stderr)
         assert path in done.stderr and done.stdout == "", extra
+
+
+def test_rate_bias_probe():
+    """benchmarks/probes/rate_bias.py: its EM is the cure model's fixed point under Beta(1, 1): requests with no
+    survival left count as ended ((3 + 1) / (8 + 2)); with survival 1 each counts by the rate itself, p = (3 + 5 p + 1)
+    / 10, so 0.8; between, between. The script runs on a real trace and reports each turn bucket."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "probes" / "rate_bias.py"
+    spec = importlib.util.spec_from_file_location("rate_bias", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    back = np.array([True] * 3 + [False] * 5)
+    assert probe.em_rate(back, np.zeros(5)) == pytest.approx(4 / 10)
+    assert probe.em_rate(back, np.ones(5)) == pytest.approx(0.8, abs=1e-6)
+    assert 0.4 < probe.em_rate(back, np.full(5, 0.3)) < 0.8
+    run = subprocess.run([sys.executable, str(path), "--trace", "taubench", "--buckets", "3"], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "| after request | learned |" in run.stdout and "- bucket 1 (" in run.stdout
