@@ -12,6 +12,7 @@ A config names workloads, cache capacities, serving loads, agents and seeds; eve
     agents:                          # a shorthand (a policy name, or a preset of the runner, e.g. saecache-fixed)
       - lru                          #   or {name, policy, agent, options, policy_options}
       - {name: saecache-no-weights, policy: saecache, agent: sae_online, policy_options: {type_weights: false}}
+      - {name: mine, policy: 'my_policies:MyPolicy'}   # an unregistered policy class, importable where cells run
     serving: {model: qwen2.5-1.5b@a40, loads: [0.8]}   # model 'instant' = hit rates only; loads: target utilisation
     window: 100                      # requests per window (or '30s'): metric granularity and learning period
     seeds: [0]
@@ -185,7 +186,7 @@ class AgentSpec:
 
     @classmethod
     def from_config(cls, data: Any, where: str, runner: CellRunner | None) -> AgentSpec:
-        from sae_env.policies import policy_names
+        from sae_env.policies import policy_class, policy_names
 
         presets = dict(runner.presets) if runner is not None else {}
         if isinstance(data, str):
@@ -197,9 +198,15 @@ class AgentSpec:
                 raise ConfigError(f"{where}: unknown agent {data!r}; shorthands: "
                                   f"{', '.join(sorted(set(presets) | set(policy_names())))}")
         d = _check_keys(data, ("name", "policy", "agent", "options", "policy_options"), where, required=("policy",))
-        if d["policy"] not in policy_names():
-            raise ConfigError(f"{where}.policy: unknown policy {d['policy']!r}; valid policies: "
-                              f"{', '.join(policy_names())}")
+        policy = d["policy"]
+        if not isinstance(policy, str) or (policy not in policy_names() and ":" not in policy):
+            raise ConfigError(f"{where}.policy: unknown policy {policy!r}; valid policies: "
+                              f"{', '.join(policy_names())} (or 'module:Class')")
+        if ":" in policy:  # a policy class of one's own, importable wherever the cells run
+            try:
+                policy_class(policy)
+            except ValueError as e:
+                raise ConfigError(f"{where}.policy: {e}") from None
         agent = d.get("agent", "baseline")
         if runner is not None and agent not in runner.kinds and ":" not in str(agent):
             raise ConfigError(f"{where}.agent: unknown agent kind {agent!r}; valid: {', '.join(runner.kinds)} "
@@ -207,7 +214,7 @@ class AgentSpec:
         for key in ("options", "policy_options"):
             if not isinstance(d.get(key, {}), Mapping):
                 raise ConfigError(f"{where}.{key}: expected a mapping, got {d[key]!r}")
-        spec = cls(check_name(d.get("name", d["policy"]), f"{where}.name"), d["policy"], str(agent),
+        spec = cls(check_name(d.get("name", policy.rsplit(":", 1)[-1]), f"{where}.name"), policy, str(agent),
                    dict(d.get("options", {})), dict(d.get("policy_options", {})))
         spec.check(where, runner)
         return spec

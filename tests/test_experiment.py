@@ -73,6 +73,10 @@ def first_difference(a: object, b: object, path: str = "") -> str | None:
     ({"workload": []}, "unknown key(s) ['workload']; valid keys: name, description, workloads"),
     ({"agents": ["lru", "nosuch"]}, "agents[1]: unknown agent 'nosuch'; shorthands:"),
     ({"agents": [{"policy": "nope"}]}, "agents[0].policy: unknown policy 'nope'; valid policies:"),
+    ({"agents": [{"policy": "no_such_module:P"}]}, "agents[0].policy: policy 'no_such_module:P': cannot import"),
+    ({"agents": [{"policy": "sae_env.trace:Trace"}]}, "agents[0].policy: policy 'sae_env.trace:Trace': sae_env.trace:"
+                                                      "Trace is not a policy class"),
+    ({"agents": [{"policy": 7}]}, "agents[0].policy: unknown policy 7"),
     ({"agents": [{"policy": "lru", "agent": "magic"}]}, "agents[0].agent: unknown agent kind 'magic'; valid: fixed"),
     ({"agents": [{"policy": "lru", "colour": 1}]}, "agents[0]: unknown key(s) ['colour']"),
     ({"agents": ["lru", "lru"]}, "agents: duplicate name(s) ['lru']"),
@@ -107,6 +111,20 @@ def test_config_errors_name_the_key(tmp_path, change, message):
     with pytest.raises(ConfigError) as e:
         load_config(small(tmp_path, **change), RUNNER)
     assert message in str(e.value)
+
+
+def test_an_agent_policy_by_module_and_class(tmp_path):
+    """An agent's policy named ``module:Class`` runs in the cells: the registered LRU named so gives LRU's results
+    cell for cell, under the class's name by default."""
+    config = load_config(small(tmp_path, agents=["lru", {"policy": "sae_env.policies.lru:LRUPolicy"}], seeds=[0],
+                               capacities=[0.1]), RUNNER)
+    assert [a.name for a in config.agents] == ["lru", "LRUPolicy"]
+    results = run_experiment(config, RUNNER, serial=True, progress=False, log=lambda m: None).results
+    by = {}
+    for key, r in results.items():
+        workload, agent = key.split("__")[0], r["summary"]["agent"]
+        by.setdefault(agent, {})[workload] = (r["summary"]["hit_tokens"], r["summary"]["evictions"])
+    assert by["LRUPolicy"] == by["lru"] and len(by["lru"]) == 2
 
 
 def test_a_config_cannot_call_an_arbitrary_callable(tmp_path, capsys):
