@@ -172,9 +172,7 @@ def parse_variants(specs: list[str] | None, policies: list[str]) -> dict[str, tu
                              f"=1), got {spec!r}")
         options = parse_options([x for x in rest.split(",") if x.strip()], f"--variant {name}")
         policy = str(options.pop("policy", "saecache"))
-        if policy not in policy_names() and ":" not in policy:
-            raise UsageError(f"--variant {name}: unknown policy {policy!r}")
-        try:
+        try:  # an unknown name, or a module:Class that is no policy, is a ValueError too
             make_policy(policy, **options)
         except ValueError as e:
             raise UsageError(f"--variant {name}: {e}") from None
@@ -286,11 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     header = ["| trace | capacity | gap (pp) | " + " | ".join(columns) + (" | margin |" if args.criteria else " |"),
               "|---|---|---|" + "---|" * (len(columns) + args.criteria)]  # printed before the first row
 
+    names = [x.strip() for x in args.traces.split(",") if x.strip()]
+    files = {name for name in names if Path(name).exists()}  # trace files (in --source's format), not embedded names
+
     def source(name: str) -> str | None:
         """--source for a trace file; an embedded trace's name keeps its own format."""
-        return args.source if Path(name).exists() else None
+        return args.source if name in files else None
 
-    for name in [x.strip() for x in args.traces.split(",") if x.strip()]:
+    for name in names:
         for seed in (seeds or [None]):
             options = {**opts, **({} if seed is None else {"seed": seed})}
             try:
@@ -322,7 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nToken hit rate % (share of the LRU-to-Belady gap); instant serving, window {args.window}; "
           f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
     if args.criteria:
-        files = [n for n in args.traces.split(",") if n.strip() and Path(n.strip()).exists()]
         shipped = "as given" if files else "as shipped"
         where = (shipped if not opts else
                  "with " + ", ".join(f"{k}={v}" for k, v in opts.items()) + " where their source takes it")

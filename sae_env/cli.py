@@ -218,16 +218,13 @@ def _policy_list(text: str) -> list[str]:
     from sae_env.policies import policy_class, policy_names
 
     names = [p.strip() for p in text.split(",") if p.strip()]
-    valid = policy_names()
-    bad = [p for p in names if p not in valid and ":" not in p]
-    if not names or bad:
-        raise UsageError(f"unknown policy {bad or text!r}; valid policies: {', '.join(valid)} (or 'module:Class')")
+    if not names:
+        raise UsageError(f"unknown policy {text!r}; valid policies: {', '.join(policy_names())} (or 'module:Class')")
     for p in names:
-        if ":" in p:
-            try:
-                policy_class(p)
-            except ValueError as e:
-                raise UsageError(str(e)) from None
+        try:
+            policy_class(p)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     return names
 
 

@@ -199,14 +199,10 @@ class AgentSpec:
                                   f"{', '.join(sorted(set(presets) | set(policy_names())))}")
         d = _check_keys(data, ("name", "policy", "agent", "options", "policy_options"), where, required=("policy",))
         policy = d["policy"]
-        if not isinstance(policy, str) or (policy not in policy_names() and ":" not in policy):
-            raise ConfigError(f"{where}.policy: unknown policy {policy!r}; valid policies: "
-                              f"{', '.join(policy_names())} (or 'module:Class')")
-        if ":" in policy:  # a policy class of one's own, importable wherever the cells run
-            try:
-                policy_class(policy)
-            except ValueError as e:
-                raise ConfigError(f"{where}.policy: {e}") from None
+        try:  # a registered name, or a policy class of one's own (module:Class), importable wherever the cells run
+            policy_class(policy)
+        except ValueError as e:
+            raise ConfigError(f"{where}.policy: {e}") from None
         agent = d.get("agent", "baseline")
         if runner is not None and agent not in runner.kinds and ":" not in str(agent):
             raise ConfigError(f"{where}.agent: unknown agent kind {agent!r}; valid: {', '.join(runner.kinds)} "

@@ -14,7 +14,8 @@ def registered_class(kind: str, name: str, registry: Mapping[str, str], base: ty
     ``unknown {kind}``, or naming ``name``) for an unknown name, an import that fails, or a class that does not derive
     from ``base`` (``base_path`` its dotted name, for the message)."""
     if not isinstance(name, str) or (name not in registry and ":" not in name):
-        raise ValueError(f"unknown {kind} {name!r}; valid {kind}s: {', '.join(registry)} (or 'module:Class')")
+        plural = kind[:-1] + "ies" if kind.endswith("y") else kind + "s"  # policies, agents
+        raise ValueError(f"unknown {kind} {name!r}; valid {plural}: {', '.join(registry)} (or 'module:Class')")
     module, cls = registry.get(name, name).split(":", 1)
     try:
         factory = getattr(importlib.import_module(module), cls)

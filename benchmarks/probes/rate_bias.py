@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sae_env.cache import PrefixCache, resolve_capacity  # noqa: E402
 from sae_env.policies import make_policy  # noqa: E402
+from sae_env.policies.survival import LognormalGaps  # noqa: E402
 from sae_env.replay import Replay  # noqa: E402
 from sae_env.sources import open_trace  # noqa: E402
 
@@ -35,10 +36,6 @@ def em_rate(returned: np.ndarray, surv: np.ndarray, prior: tuple[float, float] =
         w = p * surv / np.maximum(1.0 - p + p * surv, 1e-300)
         p = (returned.sum() + w.sum() + a) / (returned.size + a + b)
     return float(p)
-
-
-def lognormal_sf(x: np.ndarray, mu: float, sigma: float) -> np.ndarray:
-    return np.array([0.5 * math.erfc((math.log(max(v, 1e-9)) - mu) / (sigma * math.sqrt(2))) for v in x])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         back = comes_back[idx]
         idle = end_t - t[idx[~back]]
         own = np.log(np.maximum(t[nxt[idx[back]]] - t[idx[back]], 1e-3))
-        pooled = em_rate(back, lognormal_sf(idle, mu, sigma))
-        mine = em_rate(back, lognormal_sf(idle, own.mean(), own.std())) if own.size > 1 else float("nan")
+        pooled = em_rate(back, gaps[0].sf_array(idle))
+        mine = em_rate(back, LognormalGaps(own.mean(), own.std()).sf_array(idle)) if own.size > 1 else float("nan")
         print(f"- bucket {b} ({idx.size} requests): EM {pooled:.2f} / {mine:.2f}, came back {back.mean():.2f}")
     return 0
 

@@ -18,16 +18,19 @@ from sae_env.policies.saecache import SAECachePolicy
 
 
 class RelabelModel(ContinuationModel):
-    """ContinuationModel whose ended labels are undone when the session returns (``flips`` counts them)."""
+    """ContinuationModel whose ended labels are undone when the session returns (``flips`` counts them, of
+    ``ended_labels`` ended labels in all)."""
 
     relabel = True
     flips = 0
+    ended_labels = 0
 
     def _record_many(self, idx: np.ndarray, y: float) -> None:
         super()._record_many(idx, y)
         if not y:  # the requests a refit labelled ended
             ended = self.__dict__.setdefault("_ended_of", set())
             ended.update(idx.tolist())
+            self.ended_labels += idx.size
 
     def arrive(self, i: int, now: float) -> float:
         j = self._last_of.get(self._session[i])
