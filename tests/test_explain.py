@@ -565,7 +565,8 @@ def test_gap_table_takes_trace_files(tmp_path):
 def test_rate_bias_probe():
     """benchmarks/probes/rate_bias.py: its EM is the cure model's fixed point under Beta(1, 1): requests with no
     survival left count as ended ((3 + 1) / (8 + 2)); with survival 1 each counts by the rate itself, p = (3 + 5 p + 1)
-    / 10, so 0.8; between, between. The script runs on a real trace and reports each turn bucket."""
+    / 10, so 0.8; between, between. The script runs on a real trace's early half with the online learners, and
+    reports each turn bucket, the EM over the requests so far under three gap laws and the gaps by arrival time."""
     import importlib.util
     import subprocess
     import sys
@@ -579,7 +580,10 @@ def test_rate_bias_probe():
     assert probe.em_rate(back, np.zeros(5)) == pytest.approx(4 / 10)
     assert probe.em_rate(back, np.ones(5)) == pytest.approx(0.8, abs=1e-6)
     assert 0.4 < probe.em_rate(back, np.full(5, 0.3)) < 0.8
-    run = subprocess.run([sys.executable, str(path), "--trace", "taubench", "--buckets", "3"], capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run([sys.executable, str(path), "--trace", "taubench", "--buckets", "3", "--learners", "--half",
+                          "early"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "| after request | learned |" in run.stdout and "- bucket 1 (" in run.stdout
+    out = run.stdout
+    assert out.startswith("taubench (early half): 1229 requests") and "(learned)" in out
+    assert "| after request | learned |" in out and "- bucket 1 (100 requests)" in out
+    assert "| after request | policy's gaps | pooled | own |" in out and "| 0-59 | 25 / 15 / 14 |" in out
