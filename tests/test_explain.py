@@ -318,7 +318,8 @@ def test_gap_table_source_options(tmp_path):
 def test_gap_table_variant_of_a_probe_class(tmp_path):
     """--variant NAME:policy=module:Class takes a policy class of one's own, as the probes of benchmarks/probes/: with
     its switch at the default's value it gives SAECache's figure exactly (the probe changes only what it says), at
-    another value another figure; a class that cannot be imported exits with status 2 and one line."""
+    another value another figure (the hindsight rates over an empty span of the replay: SAECache; over all of it:
+    another); a class that cannot be imported, or options it refuses, exit with status 2 and one line."""
     import subprocess
     import sys
     from pathlib import Path
@@ -329,17 +330,63 @@ def test_gap_table_variant_of_a_probe_class(tmp_path):
                           "lru,saecache,belady", "--json", str(out),
                           "--variant", "h3:policy=probes.horizon:Horizon,horizon_sigmas=3",
                           "--variant", "h15:policy=probes.horizon:Horizon,horizon_sigmas=1.5",
-                          "--variant", "r0:policy=probes.relabel:Relabel,relabel=false"],
+                          "--variant", "r0:policy=probes.relabel:Relabel,relabel=false",
+                          "--variant", "t0:policy=probes.true_rates:TrueRates,start=0.5,stop=0.5",
+                          "--variant", "t1:policy=probes.true_rates:TrueRates"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     (row,) = json.loads(out.read_text())
     rate = row["token_hit_rate"]
-    assert rate["h3"] == rate["saecache"] == rate["r0"]
-    assert rate["h15"] != rate["saecache"]
+    assert rate["h3"] == rate["saecache"] == rate["r0"] == rate["t0"]
+    assert rate["h15"] != rate["saecache"] and rate["t1"] != rate["saecache"]
+    bad_span = subprocess.run([sys.executable, str(script), "--traces", "wildchat", "--variant",
+                               "x:policy=probes.true_rates:TrueRates,start=0.8,stop=0.2"],
+                              capture_output=True, text=True, timeout=300)
+    assert bad_span.returncode == 2 and bad_span.stderr.count("\n") == 1 and "start=0.8" in bad_span.stderr
     bad = subprocess.run([sys.executable, str(script), "--traces", "wildchat", "--variant",
                           "x:policy=probes.nope:Nope"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "probes.nope" in bad.stderr
     assert bad.stdout == ""
+
+
+def test_true_rates_probe_shares():
+    """benchmarks/probes/true_rates.py: each turn bucket's hindsight rate is the share of that bucket's requests whose
+    session has a later request, counted here directly; the learned rates are untouched, and outside the span (or
+    with the answers' span empty) the model answers as SAECache's."""
+    import importlib.util
+    from pathlib import Path
+
+    from sae_env.policies import make_policy
+    from sae_env.sources import open_trace
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "probes" / "true_rates.py"
+    spec = importlib.util.spec_from_file_location("true_rates", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    trace, _ = open_trace("wildchat")
+    policy = probe.TrueRates(start=0.0, stop=0.5)
+    model = policy.arrivals.model
+    model.bind(trace)
+    sid = trace.session_ids()
+    later = np.zeros(len(trace), dtype=bool)
+    seen: set[int] = set()
+    for i in range(len(trace) - 1, -1, -1):
+        later[i] = int(sid[i]) in seen
+        seen.add(int(sid[i]))
+    bucket = np.minimum(np.maximum(trace.turn.astype(np.int64), 1), model.max_turn)
+    for k in np.unique(bucket).tolist():
+        assert model._true[k] == pytest.approx(later[bucket == k].mean())
+    plain = make_policy("saecache").arrivals.model
+    plain.bind(trace)
+    n, differ = len(trace), 0
+    for i in range(n):
+        p, q = model.arrive(i, float(trace.t[i])), plain.arrive(i, float(trace.t[i]))
+        if i >= n // 2:  # past the span: the same answers
+            assert p == q
+        else:
+            differ += p != q
+    assert differ > n // 4  # within it, the hindsight rates'
+    assert model.rates.tolist() == plain.rates.tolist()  # the counts learn as SAECache's
 
 
 def test_gap_table_variants(tmp_path):
