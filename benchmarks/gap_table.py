@@ -16,15 +16,15 @@ excluded; on short traces loading weighs more in it, so its ratios are lower.
 several seeds and adds the mean margin with its 95 % interval per cache size. ``--opt KEY=VALUE`` (repeatable) sets a
 source option, e.g. WildChat's session arrival ``rate``, on the traces whose source takes it (with the seeds); a trace
 whose source does not take every option is replayed once, as shipped. ``--variant NAME:KEY=VALUE,...`` adds a column:
-SAECache (or ``policy=P``: a registered name, or ``module:Class``, e.g. a probe of ``benchmarks/probes/``, importable
-as ``probes.NAME``) built with those constructor options (a switch flipped, ``refit_steps``), checked by
-``--criteria`` like SAECache itself. ``--halves`` replays each trace as two: its sessions split by when they start
-(the first half of the sessions, then the rest; ``--halves alternate``: every other session, the odd and the even
-half; :func:`sae_env.trace.session_halves`): two shorter traces of each source, a check of how a result carries over
-to other traces of it (README, "Held out: the shipped traces in halves"). ``--repeat N`` replays each trace made N
-times longer at the same load (:func:`sae_env.trace.repeated`: N copies one after another, each with sessions and
-blocks of its own; ``--pause SECONDS`` puts them that much further apart): the held-out traces are longer ones of
-the same sources, and a cache of the same fraction of their distinct blocks holds more of their working set.
+SAECache (or ``policy=P``: a registered name, or ``module:Class``, e.g. a probe of ``benchmarks/probes/``, importable as
+``probes.NAME``) built with those constructor options (a switch flipped, ``refit_steps``), checked by ``--criteria``
+like SAECache itself. ``--halves`` replays each trace as two: its sessions split by when they start (the first half of
+the sessions, then the rest; ``--halves alternate``: every other session, the odd and the even half;
+:func:`sae_env.trace.session_halves`): two shorter traces of each source, a check of how a result carries over to other
+traces of it (docs/saecache-real-traces.md, "Held out: the shipped traces in halves"). ``--repeat N`` replays each trace
+made N times longer at the same load (:func:`sae_env.trace.repeated`: N copies one after another, each with sessions and
+blocks of its own; ``--pause SECONDS`` puts them that much further apart): the held-out traces are longer ones of the
+same sources, and a cache of the same fraction of their distinct blocks holds more of their working set.
 
     python benchmarks/gap_table.py [--traces wildchat,taubench] [--capacities 0.05,0.1,0.2]
                                    [--policies lru,lpc,saecache,reuse-oracle,session-oracle,belady] [--json FILE]

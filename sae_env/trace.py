@@ -806,11 +806,11 @@ def repeated(trace: Trace, n: int, pause: float = 0.0) -> Trace:
     seconds) later, with its own session ids and block keys (XOR with a per-copy constant: equal keys stay equal within
     a copy, and copies share no block, not even a system prompt, so a copy's hits are its own).
 
-    Back to back (``pause`` 0) every session still going at a copy's end stops there, all at once, while the next
-    copy's sessions start at once: a seam no real trace has, which a policy that bets on sessions continuing pays for
-    until its posteriors have decayed. A pause of an hour lets them decay first (README, "The ranking's clock has
-    steps"). What a longer trace of the same source looks like to a policy whose cache is the same fraction of its
-    distinct blocks (``benchmarks/gap_table.py --repeat``), and what its decision time does as a trace grows
+    Back to back (``pause`` 0) every session still going at a copy's end stops there, all at once, while the next copy's
+    sessions start at once: a seam no real trace has, which a policy that bets on sessions continuing pays for until its
+    posteriors have decayed. A pause of an hour lets them decay first (docs/saecache-real-traces.md, "The ranking's
+    clock has steps"). What a longer trace of the same source looks like to a policy whose cache is the same fraction of
+    its distinct blocks (``benchmarks/gap_table.py --repeat``), and what its decision time does as a trace grows
     (``benchmarks/decision_time.py --repeat``). ValueError for ``n`` below 1 or a ``pause`` :func:`check_pause`
     rejects."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:

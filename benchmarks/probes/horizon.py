@@ -1,6 +1,7 @@
 """Probe: the horizon past which the continuation model counts a quiet session as ended, ``exp(mu + K sigma)`` of
 its queue's gaps, at another ``K`` (``horizon_sigmas``; the default's 3 leaves 0.13 % of log-normal gaps longer and
-is SAECache itself). README: "Why the learned rates run high at a trace's end".
+is SAECache itself). docs/saecache-real-traces.md:
+"Why the learned rates run high at a trace's end".
 
     python benchmarks/gap_table.py --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady --criteria \\
         [--halves [alternate] | --repeat 4 --pause 3600] \\

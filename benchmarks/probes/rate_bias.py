@@ -1,6 +1,6 @@
 """Probe: the continuation model's per-turn rates during a replay, against what the trace itself says, and the cure
-model's estimate run offline, at the replay's points and at the trace's end. README: "Why the learned rates run high
-at a trace's end" and "Why they run low before".
+model's estimate run offline, at the replay's points and at the trace's end. docs/saecache-real-traces.md: "Why the
+learned rates run high at a trace's end" and "Why they run low before".
 
     python benchmarks/probes/rate_bias.py [--trace mooncake_synthetic] [--capacity 0.05] [--buckets 6]
         [--learners] [--half early|late]

@@ -1,7 +1,8 @@
 """Probe: a session the continuation model labelled ended (idle past the horizon, or its posterior below
 ``posterior_end``) that comes back after all is relabelled continued: its turn's counts move from ended to
 continued, and its entry in the labelled buffer (if still there) from 0 to 1. The default labels are final.
-``relabel=False`` is SAECache itself. README: "Why the learned rates run high at a trace's end".
+``relabel=False`` is SAECache itself. docs/saecache-real-traces.md:
+"Why the learned rates run high at a trace's end".
 
     python benchmarks/gap_table.py --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady --criteria \\
         [--halves] --variant r1:policy=probes.relabel:Relabel

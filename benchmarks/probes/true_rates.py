@@ -3,7 +3,7 @@ share of the trace's requests of that bucket whose session comes back within the
 rate (the logistic correction on top stays learned), while the replay is between the fractions ``start`` and
 ``stop`` of the trace's requests; elsewhere, and with ``start = stop``, it is SAECache itself. Its counts, soft
 labels and refits are untouched: only the answers that bin the blocks (at arrival, and at rebinning) change.
-README: "Why they run low before".
+docs/saecache-real-traces.md: "Where the true rates help, and where they do not".
 
     python benchmarks/gap_table.py --capacities 0.02,0.05,0.1,0.2 --policies lru,lpc,saecache,belady --criteria \\
         [--halves] --variant all:policy=probes.true_rates:TrueRates \\

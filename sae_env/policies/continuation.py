@@ -32,8 +32,8 @@ biases its turn's counts by less than ``end_below``: the error the horizon alone
 (``r = 0.9`` at ``S = 0.13 %``: 1.2 %), now accepted for every turn and no more. Where sessions rarely continue (a
 trace of one-request sessions: ``r = 0.12``) the posterior falls below 1 % at ``S = 7 %``, about 1.5 sigma, where the
 horizon waits for 3 sigma: that turn's pending requests (which every refit and refresh works through) are then about a
-tenth as many (mooncake_synthetic made four times longer: a third as many in all; README, "Decision time"). Without
-``censoring`` there is no posterior and the horizon alone ends them.
+tenth as many (mooncake_synthetic made four times longer: a third as many in all; docs/saecache-real-traces.md,
+"Decision time"). Without ``censoring`` there is no posterior and the horizon alone ends them.
 
 Refit schedule. The policy offers an update every few dozen arrivals; a refit costs time in proportion to the
 requests it rests on (the labelled buffer and the pending requests), which grow with the replay, so refitting at
@@ -56,7 +56,7 @@ past the horizon labelled ended, then the EM steps of the rates and soft weights
 labels) grow with the arrivals and whose fit is most of a refit's cost. It adds at most one refresh per typical gap,
 and none while refits come more often than that (early in a trace); late in a long trace, where refits are up to 4,096
 arrivals apart, it fires once per typical gap even where arrivals are dense, and each refresh works through every
-pending request (README, "Decision time": the cost this has on long traces).
+pending request (docs/saecache-real-traces.md, "Decision time": the cost this has on long traces).
 
 Arithmetic. A refit's settling of the pending requests (their gap survival, which ended, their soft weights, the
 rates' EM steps) is numpy here (:func:`~sae_env.policies.continuation_refit.settle_numpy`); the compiled arrivals
@@ -91,8 +91,8 @@ P_CLIP = 1e-3  # probabilities are clipped to [P_CLIP, 1 - P_CLIP] before a logi
 # on. The per-turn rates, the offset ``beta`` corrects, move at every arrival, so a shift in how often sessions continue
 # is followed at once; ``beta`` only says how the features move ``p`` around its turn's rate. Refits a quarter of a
 # buffer apart (1,024 arrivals, the earlier bound) gave the same hits on the Mooncake traces made 4 and 16 times longer
-# (within 0.3 points, both signs) with 23 fits where this bound makes 14 (mooncake_arxiv made 16 times longer; README,
-# "Decision time"). The two schedules part only after 3,712 arrivals.
+# (within 0.3 points, both signs) with 23 fits where this bound makes 14 (mooncake_arxiv made 16 times longer;
+# docs/saecache-real-traces.md, "Decision time"). The two schedules part only after 3,712 arrivals.
 MAX_REFIT_GAP = 64
 
 

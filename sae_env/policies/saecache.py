@@ -154,7 +154,7 @@ _COMPACT_MIN = 1 << 18  # released blocks before the first compaction of the rec
 # true value by at most this much idle time; under the hit density that moves it by about 1 % once it has been idle for
 # a horizon (it falls by under 5 % over a 32nd of the horizon there: tests of the compiled scan's bound),
 # less than the online gap and continuation estimates it rests on can tell apart. A first-principles resolution, not a
-# fit to a trace (README, "Decision time": what it changes in hits and in time).
+# fit to a trace (docs/saecache-real-traces.md, "Decision time": what it changes in hits and in time).
 CLOCK_STEP = 1.0 / 128
 # empirical_gaps: the log-normal prior's weight, in gaps. The online learners shrink their log-normal fit towards
 # the current constants by as many pseudo-gaps (agents.sae_online.OnlineConfig.gap_prior), so the shape starts as
