@@ -349,6 +349,33 @@ def test_gap_table_variant_of_a_probe_class(tmp_path):
     assert bad.stdout == ""
 
 
+def test_discrimination_probe():
+    """benchmarks/probes/discrimination.py: its AUC is 1 for a score that puts every positive first, 0 for the reverse,
+    0.5 for ties, NaN without both labels; the script runs on a real trace and reports each turn bucket with both
+    outcomes, its shares within (0, 1) and its AUCs within [0, 1]."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "probes" / "discrimination.py"
+    spec = importlib.util.spec_from_file_location("discrimination", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    y = np.array([True, True, False, False, False])
+    assert probe.auc(y, np.array([5.0, 4.0, 3.0, 2.0, 1.0])) == 1.0
+    assert probe.auc(y, np.array([1.0, 2.0, 3.0, 4.0, 5.0])) == 0.0
+    assert probe.auc(y, np.zeros(5)) == 0.5
+    assert np.isnan(probe.auc(np.ones(3, dtype=bool), np.arange(3.0)))
+    run = subprocess.run([sys.executable, str(path), "--traces", "wildchat"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split(" | ") for line in run.stdout.splitlines()[2:]]
+    assert [r[1] for r in rows] == ["2", "3", "4", "5", "6", "7", "8"]  # every WildChat session has a second turn
+    for r in rows:
+        assert 0 < float(r[3]) < 1 and all(0 <= float(x) <= 1 for x in (r[4], r[5], r[6].rstrip(" |")))
+
+
 def test_true_rates_probe_shares():
     """benchmarks/probes/true_rates.py: each turn bucket's hindsight rate is the share of that bucket's requests whose
     session has a later request, counted here directly; the learned rates are untouched, and outside the span (or
