@@ -6,6 +6,7 @@ from their .wandb files, real traces. Cells here are small synthetic traces (a c
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -125,6 +126,29 @@ def test_an_agent_policy_by_module_and_class(tmp_path):
         workload, agent = key.split("__")[0], r["summary"]["agent"]
         by.setdefault(agent, {})[workload] = (r["summary"]["hit_tokens"], r["summary"]["evictions"])
     assert by["LRUPolicy"] == by["lru"] and len(by["lru"]) == 2
+
+
+def test_a_policy_of_ones_own_in_the_working_directory_runs_on_ray(tmp_path):
+    """A policy class in the user's working directory (``./my_policies.py``, not on the path), named ``module:Class``
+    in a config, runs with train.py from anywhere, on the private local Ray cluster: its workers start in the
+    driver's working directory and find the module there; it gives LRU's cells, as the LRU it derives from."""
+    (tmp_path / "my_policies.py").write_text("from sae_env.policies.lru import LRUPolicy\n\n\n"
+                                             "class MyLRU(LRUPolicy):\n    pass\n")
+    (tmp_path / "exp.yaml").write_text(json.dumps({
+        "name": "own", "workloads": [{"name": "bailian", "trace": "bailian"}], "capacities": [0.1],
+        "agents": ["lru", {"policy": "my_policies:MyLRU"}], "serving": "instant", "window": 10, "seeds": [0],
+        "output": str(tmp_path / "runs"), "wandb": {"mode": "disabled"}}))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "exp.yaml", "--no-progress",
+                          "--num-cpus", "1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Started a local Ray instance" in run.stderr + run.stdout
+    (summary,) = (tmp_path / "runs" / "own").glob("*/summary.csv")
+    rows = {r["agent"]: r for r in csv.DictReader(summary.open())}
+    assert set(rows) == {"lru", "MyLRU"}
+    mine, lru = ({k: v for k, v in rows[a].items() if k not in ("cell", "agent", "policy", "replay_s")}
+                 for a in ("MyLRU", "lru"))
+    assert mine == lru
 
 
 def test_a_config_cannot_call_an_arbitrary_callable(tmp_path, capsys):
