@@ -54,6 +54,7 @@ __all__ = [
     "csr_offsets",
     "mix64",
     "repeated",
+    "session_continues",
     "session_halves",
     "token_blocks",
 ]
@@ -835,6 +836,17 @@ def check_pause(pause: float) -> None:
     """ValueError unless ``pause`` (seconds between tiled copies, :func:`repeated`) is finite and at least 0."""
     if not (math.isfinite(pause) and pause >= 0):
         raise ValueError(f"pause must be a finite number of seconds >= 0, got {pause!r}")
+
+
+def session_continues(trace: Trace) -> np.ndarray:
+    """Whether each request's session has a later request in the trace (bool per request; a request of unknown
+    session, -1, is a session of its own and has none). Hindsight: what the session oracle knows, and what probes
+    score a policy's predictions against."""
+    sid = trace.session_ids()
+    order = np.lexsort((np.arange(len(sid)), sid))  # by session, then arrival
+    has_next = np.zeros(len(sid), dtype=bool)
+    has_next[order[:-1]] = sid[order[:-1]] == sid[order[1:]]
+    return has_next
 
 
 def session_halves(trace: Trace, split: str = "start") -> tuple[Trace, Trace]:

@@ -466,3 +466,26 @@ def test_a_pause_puts_the_copies_further_apart_and_nothing_else():
         with pytest.raises(ValueError, match="n must be a whole number >= 1"):
             repeated(trace, bad)
     assert len(repeated(trace, 1)) == n and np.array_equal(repeated(trace, 1).prompt_keys, trace.prompt_keys)
+
+
+def test_session_continues_against_a_reverse_scan():
+    """session_continues: a request's session has a later request, as a scan from the end counts it, on a real
+    trace and on one whose unknown sessions (-1) are each a session of their own."""
+    from sae_env.sources import open_trace
+    from sae_env.trace import session_continues
+
+    def reference(trace):
+        sid, seen, out = trace.session_ids(), set(), np.zeros(len(trace), dtype=bool)
+        for i in range(len(trace) - 1, -1, -1):
+            out[i] = int(sid[i]) in seen
+            seen.add(int(sid[i]))
+        return out
+
+    trace, _ = open_trace("wildchat")
+    assert session_continues(trace).tolist() == reference(trace).tolist()
+    assert 0 < session_continues(trace).mean() < 1
+    n = 6  # sessions 0, -1, 0, -1, 1, 1: the unknown ones never continue, session 0's first and 1's first do
+    small = Trace(t=np.arange(n, dtype=float), session=[0, -1, 0, -1, 1, 1], turn=[1, 1, 2, 1, 1, 2], app=[1] * n,
+                  prompt_tokens=[16] * n, output_tokens=[0] * n, prompt_offsets=np.arange(n + 1),
+                  prompt_keys=np.arange(n) + 5, prompt_types=[0] * n, block_size=16)
+    assert session_continues(small).tolist() == [True, False, False, False, True, False] == reference(small).tolist()

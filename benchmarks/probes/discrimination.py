@@ -32,6 +32,7 @@ from sae_env.policies.continuation import P_CLIP, ContinuationModel  # noqa: E40
 from sae_env.policies.saecache import SAECachePolicy  # noqa: E402
 from sae_env.replay import Replay  # noqa: E402
 from sae_env.sources import open_trace  # noqa: E402
+from sae_env.trace import session_continues  # noqa: E402
 
 
 def auc(positive: np.ndarray, score: np.ndarray) -> float:
@@ -68,12 +69,7 @@ def discrimination(name: str, capacity: float = 0.05) -> list[dict[str, Any]]:
     Replay(trace, PrefixCache(resolve_capacity(capacity, trace.distinct_blocks()), policy), None,
            window_requests=200, callbacks=callbacks, engine="python").run()
     n = len(trace)
-    sid = trace.session_ids()
-    comes_back = np.zeros(n, dtype=bool)
-    seen: set[int] = set()
-    for i in range(n - 1, -1, -1):
-        comes_back[i] = int(sid[i]) in seen
-        seen.add(int(sid[i]))
+    comes_back = session_continues(trace)
     answers = np.array([model.answers[i] for i in range(n)])
     p, correction = answers[:, 0], _logit(answers[:, 0]) - _logit(answers[:, 1])
     t = np.asarray(trace.t)

@@ -19,7 +19,7 @@ import numpy as np
 
 from sae_env.policies.continuation import ContinuationModel
 from sae_env.policies.saecache import SAECachePolicy
-from sae_env.trace import Trace
+from sae_env.trace import Trace, session_continues
 
 
 class TrueRatesModel(ContinuationModel):
@@ -31,8 +31,7 @@ class TrueRatesModel(ContinuationModel):
     def bind(self, trace: Trace, sessions: Any = None) -> None:
         super().bind(trace, sessions)
         n = len(trace)
-        comes_back = np.zeros(n, dtype=bool)
-        comes_back[self._prev[self._prev >= 0]] = True  # a request that is some request's previous one continued
+        comes_back = session_continues(trace)
         bucket = self._bucket_a
         true = np.array(self._rates, dtype=np.float64)
         for k in np.unique(bucket).tolist():

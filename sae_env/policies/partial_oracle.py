@@ -32,7 +32,7 @@ import numpy as np
 from sae_env.block import Block
 from sae_env.policies.base import KeyedPolicy, block_array
 from sae_env.policies.belady import NEVER, BeladyPolicy
-from sae_env.trace import Trace
+from sae_env.trace import Trace, session_continues
 
 
 class _ReleaseOrder(KeyedPolicy):
@@ -152,10 +152,7 @@ class SessionOraclePolicy(_ReleaseOrder):
         self._trace = trace
         sid = trace.session_ids()
         self._session = self._has_next = None
-        # A request's session has another turn iff a later request carries the same session id.
-        order = np.lexsort((np.arange(len(sid)), sid))
-        has_next = np.zeros(len(sid), dtype=bool)
-        has_next[order[:-1]] = sid[order[:-1]] == sid[order[1:]]
+        has_next = session_continues(trace)  # a later request carries the same session id
         self._session_ids, self._has_next_arr = sid, has_next  # the same, as arrays for the state contract
 
     def _context(self, trace: Trace, i: int) -> None:
