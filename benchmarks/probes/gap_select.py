@@ -1,0 +1,135 @@
+"""Probe: each queue's hit density reads log-normal gaps or exponential gaps of the same mean, whichever has predicted
+better the re-accesses this cache has seen of its own blocks. docs/saecache-real-traces.md: "Where
+mooncake_synthetic's 2 % cells go".
+
+    python benchmarks/gap_table.py [--halves [alternate]] --capacities 0.02,0.05,0.1,0.2 \\
+        --policies lru,lpc,saecache,belady --criteria --variant sel:policy=probes.gap_select:GapSelect
+
+Why: the hit density ranks a block by the hits it brings over the cache's turnover time ``H``, so at a small cache
+(``H`` a few seconds) it is the gaps' hazard over the first seconds that orders the blocks. One log-normal per queue,
+fitted to every session gap, says that hazard rises there; on mooncake_synthetic the re-use of blocks falls from the
+first second (its later turns are fast, its first turns slow: a mixture a pooled fit smooths over), and recency,
+which exponential gaps give within each continuation bin, ranks better. On traces whose gaps are tight (the arXiv
+excerpt) the log-normal's rise is real, and so is its gain.
+
+How: every block of a chat, agent or structural queue is scored under the cure model of its own queue at each event
+the cache sees: a hit after idling ``t`` is an event (``log p + log f(t)``), an eviction after idling ``t`` a censored
+time (``log(1 - p + p S(t))``), with the block's continuation probability ``p`` (its group's bin; the shared
+prefixes' reuse rate for structural blocks) and the queue's current gap parameters, once under the log-normal and
+once under the exponential of the same mean. At every refit (``REFIT_EVERY`` arrivals) and every change of the
+learners' parameters each queue's density reads the distribution with the larger log-likelihood so far (each sum
+multiplied by ``decay`` per refit: 1 keeps every event). The data are the idle times this cache reaches, so the
+choice follows its size; its evictions depend on the idle time and the bin only, which the likelihood conditions on.
+``select=False`` is SAECache itself (the sums are kept, never acted on).
+
+Python engine only (a subclass; the compiled twin mirrors SAECache's class exactly).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from sae_env.block import Block
+from sae_env.policies.arrivals import AG, CH, ST, slot_p
+from sae_env.policies.saecache import _SLOT, VALUE_STRIDE, SAECachePolicy
+from sae_env.policies.survival import ExponentialGaps, LognormalGaps
+
+QUEUES = (CH, AG, ST)
+_HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+def cure_loglik(event: bool, t: float, p: float, mu: float, sigma: float) -> tuple[float, float]:
+    """The cure model's log-likelihood of one block's idle time ``t`` (a re-access if ``event``, else censored) with
+    continuation probability ``p``, under ``LN(mu, sigma)`` and under the exponential of the same mean."""
+    mean = math.exp(mu + sigma * sigma / 2.0)
+    z = (math.log(t) - mu) / sigma
+    if event:
+        log_p = math.log(p)
+        return (log_p - 0.5 * z * z - math.log(t * sigma) - _HALF_LOG_2PI,
+                log_p - t / mean - math.log(mean))
+    s_ln = 0.5 * math.erfc(z / math.sqrt(2.0))
+    return math.log(1.0 - p + p * s_ln), math.log(1.0 - p + p * math.exp(-t / mean))
+
+
+class GapSelect(SAECachePolicy):
+    """SAECache whose chat, agent and structural densities read whichever gap shape has predicted this cache's
+    re-accesses better (``exponential[q]``: the current choice; ``loglik[q]``: the two sums)."""
+
+    def __init__(self, select: bool = True, decay: float = 1.0, **options: Any):
+        if not isinstance(select, bool):
+            raise ValueError(f"select must be true or false, got {select!r}")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
+            raise ValueError(f"decay must be a number in (0, 1], got {decay!r}")
+        self._ready = False  # params_changed runs inside SAECachePolicy.__init__
+        super().__init__(**options)
+        if not (self._density and self.switches["lognormal"]) or self._empirical:
+            raise ValueError("gap_select chooses between the log-normal and the exponential of the hit density: it "
+                             "needs density=True and lognormal=True, without empirical_gaps or gap_mixture")
+        self.select, self.decay = select, float(decay)
+        self.loglik = {q: [0.0, 0.0] for q in QUEUES}  # [log-normal, exponential]
+        self.exponential = {q: False for q in QUEUES}
+        self.switches_made = 0
+        self._idle_since: dict[int, float] = {}  # block key -> its last release
+        self._ready = True
+
+    def _score(self, b: Block, t: float, event: bool) -> None:
+        q = b.queue
+        if q not in self.loglik or not t > 0:
+            return
+        p = self.arrivals.p_structural if q == ST else slot_p(self._group(b) % VALUE_STRIDE // _SLOT)
+        p = min(max(p, 1e-9), 1.0 - 1e-9)
+        ln, ex = cure_loglik(event, t, p, *self._ln[q])
+        ll = self.loglik[q]
+        ll[0] += ln
+        ll[1] += ex
+
+    def on_hit(self, blocks: list[Block], now: float) -> None:
+        since = self._idle_since
+        for b in blocks:
+            t0 = since.get(b.key)
+            if t0 is not None:
+                self._score(b, now - t0, True)
+        super().on_hit(blocks, now)
+
+    def on_release(self, blocks: list[Block], now: float) -> None:
+        since = self._idle_since
+        for b in blocks:
+            since[b.key] = now
+        super().on_release(blocks, now)
+
+    def evict(self, now: float) -> Block | None:
+        victim = super().evict(now)
+        if victim is not None:
+            t0 = self._idle_since.pop(victim.key, None)
+            if t0 is not None:
+                self._score(victim, now - t0, False)
+        return victim
+
+    def _choose(self) -> bool:
+        """Each queue's density reads the shape ahead so far; whether any choice changed."""
+        if not self._ready:
+            return False
+        changed = False
+        for q in QUEUES:
+            exp_now = self.select and self.loglik[q][1] > self.loglik[q][0]
+            mu, sigma = self._ln[q]
+            self._gaps[q] = ExponentialGaps(self._exp_mean[q]) if exp_now else LognormalGaps(mu, sigma)
+            if exp_now != self.exponential[q]:
+                self.exponential[q] = exp_now
+                self.switches_made += 1
+                changed = True
+        return changed
+
+    def params_changed(self) -> None:
+        super().params_changed()  # rebuilds the gaps (log-normal) and clears the constants
+        self._choose()
+
+    def _refit(self, now: float) -> None:
+        super()._refit(now)
+        if self.decay < 1.0:
+            for ll in self.loglik.values():
+                ll[0] *= self.decay
+                ll[1] *= self.decay
+        if self._choose():
+            self._changed()
