@@ -18,8 +18,11 @@ time (``log(1 - p + p S(t))``), with the block's continuation probability ``p`` 
 prefixes' reuse rate for structural blocks) and the queue's current gap parameters, once under the log-normal and
 once under the exponential of the same mean. At every refit (``REFIT_EVERY`` arrivals) and every change of the
 learners' parameters each queue's density reads the distribution with the larger log-likelihood so far (each sum
-multiplied by ``decay`` per refit: 1 keeps every event). The data are the idle times this cache reaches, so the
-choice follows its size; its evictions depend on the idle time and the bin only, which the likelihood conditions on.
+multiplied by ``decay`` per refit: 1 keeps every event), the blocks idle in the cache then counted too, censored at
+their idle time so far (``pending``; without them, before the cache's first evictions only the hits would count,
+and hits alone favour whichever density is higher where they fall). The data are the idle times this cache
+reaches, so the choice follows its size; its evictions depend on the idle time and the bin only, which the
+likelihood conditions on.
 ``select=False`` is SAECache itself (the sums are kept, never acted on).
 
 Python engine only (a subclass; the compiled twin mirrors SAECache's class exactly).
@@ -54,11 +57,13 @@ def cure_loglik(event: bool, t: float, p: float, mu: float, sigma: float) -> tup
 
 class GapSelect(SAECachePolicy):
     """SAECache whose chat, agent and structural densities read whichever gap shape has predicted this cache's
-    re-accesses better (``exponential[q]``: the current choice; ``loglik[q]``: the two sums)."""
+    re-accesses better (``exponential[q]``: the current choice; ``loglik[q]``: the two sums over the hits and
+    evictions so far, the idle blocks not included)."""
 
-    def __init__(self, select: bool = True, decay: float = 1.0, **options: Any):
-        if not isinstance(select, bool):
-            raise ValueError(f"select must be true or false, got {select!r}")
+    def __init__(self, select: bool = True, decay: float = 1.0, pending: bool = True, **options: Any):
+        for name, flag in (("select", select), ("pending", pending)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be true or false, got {flag!r}")
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
             raise ValueError(f"decay must be a number in (0, 1], got {decay!r}")
         self._ready = False  # params_changed runs inside SAECachePolicy.__init__
@@ -66,53 +71,58 @@ class GapSelect(SAECachePolicy):
         if not (self._density and self.switches["lognormal"]) or self._empirical:
             raise ValueError("gap_select chooses between the log-normal and the exponential of the hit density: it "
                              "needs density=True and lognormal=True, without empirical_gaps or gap_mixture")
-        self.select, self.decay = select, float(decay)
+        self.select, self.decay, self.pending = select, float(decay), pending
         self.loglik = {q: [0.0, 0.0] for q in QUEUES}  # [log-normal, exponential]
         self.exponential = {q: False for q in QUEUES}
         self.switches_made = 0
-        self._idle_since: dict[int, float] = {}  # block key -> its last release
+        self._idle_since: dict[int, tuple[float, Block]] = {}  # block key -> (its last release, the block)
         self._ready = True
 
-    def _score(self, b: Block, t: float, event: bool) -> None:
+    def _score(self, b: Block, t: float, event: bool, into: dict[int, list[float]] | None = None) -> None:
         q = b.queue
         if q not in self.loglik or not t > 0:
             return
         p = self.arrivals.p_structural if q == ST else slot_p(self._group(b) % VALUE_STRIDE // GROUP_SLOT)
         p = min(max(p, 1e-9), 1.0 - 1e-9)
         ln, ex = cure_loglik(event, t, p, *self._ln[q])
-        ll = self.loglik[q]
+        ll = (self.loglik if into is None else into)[q]
         ll[0] += ln
         ll[1] += ex
 
     def on_hit(self, blocks: list[Block], now: float) -> None:
         since = self._idle_since
         for b in blocks:
-            t0 = since.get(b.key)
-            if t0 is not None:
-                self._score(b, now - t0, True)
+            seen = since.get(b.key)
+            if seen is not None:
+                self._score(b, now - seen[0], True)
         super().on_hit(blocks, now)
 
     def on_release(self, blocks: list[Block], now: float) -> None:
         since = self._idle_since
         for b in blocks:
-            since[b.key] = now
+            since[b.key] = (now, b)
         super().on_release(blocks, now)
 
     def evict(self, now: float) -> Block | None:
         victim = super().evict(now)
         if victim is not None:
-            t0 = self._idle_since.pop(victim.key, None)
-            if t0 is not None:
-                self._score(victim, now - t0, False)
+            seen = self._idle_since.pop(victim.key, None)
+            if seen is not None:
+                self._score(victim, now - seen[0], False)
         return victim
 
     def _choose(self) -> bool:
         """Each queue's density reads the shape ahead so far; whether any choice changed."""
         if not self._ready:
             return False
+        total = {q: list(ll) for q, ll in self.loglik.items()}
+        if self.pending:  # the blocks idle in the cache now: censored at their idle time so far
+            now = self._now
+            for t0, b in self._idle_since.values():
+                self._score(b, now - t0, False, total)
         changed = False
         for q in QUEUES:
-            exp_now = self.select and self.loglik[q][1] > self.loglik[q][0]
+            exp_now = self.select and total[q][1] > total[q][0]
             mu, sigma = self._ln[q]
             self._gaps[q] = ExponentialGaps(self._exp_mean[q]) if exp_now else LognormalGaps(mu, sigma)
             if exp_now != self.exponential[q]:
