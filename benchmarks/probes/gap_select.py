@@ -36,7 +36,7 @@ from typing import Any
 from sae_env.block import Block
 from sae_env.policies.arrivals import AG, CH, ST, slot_p
 from sae_env.policies.saecache import GROUP_SLOT, VALUE_STRIDE, SAECachePolicy
-from sae_env.policies.survival import ExponentialGaps, LognormalGaps
+from sae_env.policies.survival import ExponentialGaps, LognormalGaps, lognormal_sf
 
 QUEUES = (CH, AG, ST)
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -46,13 +46,12 @@ def cure_loglik(event: bool, t: float, p: float, mu: float, sigma: float) -> tup
     """The cure model's log-likelihood of one block's idle time ``t`` (a re-access if ``event``, else censored) with
     continuation probability ``p``, under ``LN(mu, sigma)`` and under the exponential of the same mean."""
     mean = math.exp(mu + sigma * sigma / 2.0)
-    z = (math.log(t) - mu) / sigma
     if event:
+        z = (math.log(t) - mu) / sigma
         log_p = math.log(p)
         return (log_p - 0.5 * z * z - math.log(t * sigma) - _HALF_LOG_2PI,
                 log_p - t / mean - math.log(mean))
-    s_ln = 0.5 * math.erfc(z / math.sqrt(2.0))
-    return math.log(1.0 - p + p * s_ln), math.log(1.0 - p + p * math.exp(-t / mean))
+    return math.log(1.0 - p + p * lognormal_sf(t, mu, sigma)), math.log(1.0 - p + p * math.exp(-t / mean))
 
 
 class GapSelect(SAECachePolicy):
