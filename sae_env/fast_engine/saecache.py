@@ -96,6 +96,7 @@ from sae_env.policies.arrivals import (
     slot_p,
 )
 from sae_env.policies.continuation import P_CLIP
+from sae_env.policies.gap_shape import cure_loglik, loglik_units
 from sae_env.policies.saecache import (
     GROUP_SLOT,
     VALUE_STRIDE,
@@ -132,10 +133,10 @@ BOUND_MARGIN = 1.0 - 1e-6
 # plus one (a request's bin is current when its bmark is this), the model's row the next rebinning reads (rbr, rbb:
 # counted from 0 in each window, as Twin.prepare writes them), whether the model has features (continuation.features);
 # empirical_gaps: whether it is on, and the row of tables (emp) the scores read now (0 at a window's start, one more at
-# each refit).
+# each refit); gap_select: whether it is on, and the changes of shape it made so far.
 SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
     MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED, REBIN, COMPLETING, \
-    RB_MARK, RB_NEXT, RB_FEAT, EMP, EMP_ROW = range(31)
+    RB_MARK, RB_NEXT, RB_FEAT, EMP, EMP_ROW, SELECT, SHAPE_SWITCHES = range(33)
 NOT_RELEASED = -2  # rebin: a slot's releasing request when none (-1: released before any completion)
 # gap_mixture: a queue's row of tables where BIC kept the learners' log-normal (its survival row starts below 0: the
 # kernel scores that queue by the log-normal's closed form, as the Python policy does)
@@ -146,6 +147,7 @@ _LOGNORMAL_ROWS = (np.full(EMPIRICAL_GRID.size, -1.0), np.zeros(EMPIRICAL_GRID.s
 CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, EXP_MEAN_CH, CAPACITY, GAMMA, CLOCK = range(11)
 N_ST = 16  # structural groups are queue-type codes 8 .. 15 (they carry no continuation bin)
 REFIT, STRUCTURAL, REBIN_AT = 1, 2, 4  # request flags (REBIN_AT: the refit there rebins, set by Twin.prepare)
+_SHAPED = [CH, AG, ST]  # gap_select's queues, in GapShapeChoice.queues' order
 
 
 def _shaped(switches: dict[str, bool]) -> bool:
@@ -187,7 +189,9 @@ class SAEState(NamedTuple):
     gl: np.ndarray  # int64 [G_STAMP | G_EPOCH | G_CSTAMP + 0 .. 2, group]
     gf: np.ndarray  # float64 [G_SCORE | G_NOW | G_LB | G_UNTIL | G_CLB + 0 .. 2 | G_CUNTIL + 0 .. 2, group]
     slotp: np.ndarray  # float64 per bin: the continuation probability it stands for
-    gaps: np.ndarray  # float64 [queue, (mu, sigma sqrt 2, mean, mu + sigma^2)]
+    # float64 [queue, (mu, sigma sqrt 2, mean, mu + sigma^2, sigma, mean as SAECachePolicy._exp_mean, 1.0 where the
+    # queue reads the exponential of that mean: gap_select)]
+    gaps: np.ndarray
     coef: np.ndarray  # float64 per value bin and queue-type code (bin * GROUP_SLOT + code): alpha_q * w_type * value
     vbin: np.ndarray  # int32 per depth: the value bin of a block there (hit_value; [0] when off)
     root: np.ndarray  # int64 [1]: the treap's root (sae_env.fast_engine.treap)
@@ -212,6 +216,10 @@ class SAEState(NamedTuple):
     # empirical_gaps ([1, 1] when off): the grid (EMPIRICAL_GRID), then for each row of the window (its start, then each
     # refit) the chat queue's survival and its integral, then the agent queue's (EmpiricalGaps.table)
     emp: np.ndarray  # float64 [1 + 4 * row, grid point]
+    # gap_select (one entry when off): each idle block's release (NaN: pinned, or not idle since its last hit), and
+    # the likelihood sums of the hits and evictions so far (gap_shape.GapShapeChoice.loglik, in its units)
+    relt: np.ndarray  # float64 per slot
+    gll: np.ndarray  # int64 [queue, (log-normal, exponential)]
 
 
 # -- the groups' sets ------------------------------------------------------------------------------------------------
@@ -480,6 +488,23 @@ def _emp_density(emp, r, p, dt, horizon, dt_b):
 
 
 @inline
+def _exp_density(mean, p, dt, horizon):
+    """ExponentialGaps.density (through LognormalGaps._density) at idle time ``dt > 0``, operation for operation. It
+    falls with ``dt`` (the posterior does, and a memoryless return does not depend on it), so its value at the end of an
+    interval bounds it over the interval."""
+    s_now = math.exp(-dt / mean)
+    if s_now < _TINY:
+        return 0.0
+    alive = p * s_now
+    pi = alive / (1.0 - p + alive) if alive > 0.0 else 0.0
+    end = dt + horizon
+    s_end = math.exp(-end / mean) if end > 0.0 else 1.0
+    hit = pi * (s_now - s_end) / s_now
+    held = pi * max(mean * -math.expm1(-(end - dt) / mean), 0.0) + (1.0 - pi) * horizon
+    return hit / held if held > 0.0 else 0.0
+
+
+@inline
 def _score(ps, recf, g, s, now, until):
     """SAECachePolicy._least's score of slot ``s`` of group ``g`` at ``now``, and a lower bound on it until the
     instant ``until`` (-inf: none)."""
@@ -513,7 +538,10 @@ def _score(ps, recf, g, s, now, until):
             f, lb = _emp_density(ps.emp, r, p, dt, horizon, dt_b)
             return ps.coef[code] * f, ps.coef[code] * lb
     gp = ps.gaps
-    f, lb = density_and_bound(gp[q, 0], gp[q, 1], gp[q, 2], gp[q, 3], p, dt, horizon, dt_b)
+    if gp[q, 6] != 0.0:  # gap_select chose the exponential
+        f, lb = _exp_density(gp[q, 5], p, dt, horizon), _exp_density(gp[q, 5], p, dt_b, horizon)
+    else:
+        f, lb = density_and_bound(gp[q, 0], gp[q, 1], gp[q, 2], gp[q, 3], p, dt, horizon, dt_b)
     return ps.coef[code] * f, ps.coef[code] * lb
 
 
@@ -804,6 +832,58 @@ def _rebin_blocks(ps, rec, n, k):
     ps.si[STALE] = 1
 
 
+# -- gap_select ------------------------------------------------------------------------------------------------------
+_cure = inline(cure_loglik)
+_units = inline(loglik_units)
+
+
+@inline
+def _shape_add(ps, rec, s, event, t, sums, pst):
+    """GapShapeChoice.add of slot ``s``'s idle time ``t`` into ``sums``, with the continuation probability its score
+    reads (SAECachePolicy._p_of; ``pst``: the structural one)."""
+    q = rec[s, QUEUE]
+    if not (q == CH or q == AG or q == ST) or not t > 0.0:
+        return
+    if q == ST:
+        p = pst
+    else:
+        g = _current_group(ps, rec, s) if ps.si[REBIN] else rec[s, GROUP]
+        p = ps.slotp[g % N_GROUPS // GROUP_SLOT]
+    gp = ps.gaps
+    ln, ex = _cure(event, t, p, gp[q, 0], gp[q, 4], gp[q, 5])
+    sums[q, 0] += _units(ln)
+    sums[q, 1] += _units(ex)
+
+
+@inline
+def _ended(ps, rec, s, now, event):
+    """GapShapeChoice.ended: slot ``s``, idle since its release, is hit (``event``) or evicted at ``now``."""
+    t0 = ps.relt[s]
+    if t0 == t0:
+        ps.relt[s] = math.nan
+        _shape_add(ps, rec, s, event, now - t0, ps.gll, ps.sf[PST])
+
+
+@jit
+def _choose_shapes(ps, rec, n, now, pst):
+    """GapShapeChoice.choose at a refit: the idle blocks (slots ``0 .. n-1``) counted censored at ``now``; whether a
+    queue's shape changed (gaps[q, 6])."""
+    total = ps.gll.copy()
+    relt = ps.relt
+    for s in range(n):
+        t0 = relt[s]
+        if t0 == t0:
+            _shape_add(ps, rec, s, False, now - t0, total, pst)
+    changed = False
+    for q in (CH, AG, ST):
+        e = 1.0 if total[q, 1] > total[q, 0] else 0.0
+        if e != ps.gaps[q, 6]:
+            ps.gaps[q, 6] = e
+            ps.si[SHAPE_SWITCHES] += 1
+            changed = True
+    return changed
+
+
 # -- hooks -------------------------------------------------------------------------------------------------------
 @implements(SAEState, "on_request")
 def _request(ps, c, j, now):
@@ -830,6 +910,8 @@ def _request(ps, c, j, now):
             _rebin_blocks(ps, c.rec, c.sc[N], k)
         if si[EMP]:  # SAECachePolicy._empirical_gaps: the next row of tables, built by Twin.prepare
             si[EMP_ROW] += 1
+        if si[SELECT]:  # the arrival moved the structural rate before the policy's refit
+            _choose_shapes(ps, c.rec, c.sc[N], now, ps.req_pst[j] if f & STRUCTURAL else sf[PST])
         _changed(ps)
     q = ps.req[R_Q, j]
     ps.req[R_LIVE, j] = 1
@@ -886,6 +968,9 @@ def _hit(ps, c, path, i0, i1, now):
     rec, qn = c.rec, ps.qn
     for i in range(i0, i1):
         qn[Q_HITS, rec[path[i], QUEUE]] += 1
+    if ps.si[SELECT]:
+        for i in range(i0, i1):
+            _ended(ps, rec, path[i], now, True)
 
 
 @implements(SAEState, "on_acquire")
@@ -925,6 +1010,8 @@ def _release(ps, c, path, i0, i1, now):
         if rec[s, NCHILD] == 0 or (q == ST and si[SAMPLED]):  # a sampled structural group lists inner nodes too
             _add(ps, rec, s, 1)
             ps.gi[G_DIRTY, g] = 1
+        if si[SELECT]:
+            ps.relt[s] = now
     si[SEQ] = seq
 
 
@@ -941,10 +1028,12 @@ def _leaf(ps, c, s):
 
 
 @inline
-def _take(ps, c, v):
-    """SAECachePolicy._take: forget the victim; note its parent as the likely next one."""
+def _take(ps, c, v, now):
+    """SAECachePolicy._take: forget the victim (evicted at ``now``); note its parent as the likely next one."""
     rec = c.rec
     si = ps.si
+    if si[SELECT]:  # (before rebin forgets its releasing request, which its bin needs)
+        _ended(ps, rec, v, now, False)
     q = rec[v, QUEUE]
     ps.qn[Q_OCC, q] -= 1
     stamp = rec[v, STAMP]
@@ -970,6 +1059,7 @@ def _take(ps, c, v):
 @implements(SAEState, "evict")
 def _evict(ps, c, now):
     si, sf = ps.si, ps.sf
+    at = now  # gap_select: the victim's idle time ends here (the ranking reads the clock's step)
     step = sf[CLOCK] * (sf[HORIZON] if si[HAS_HOR] else sf[EXP_MEAN_CH])  # SAECachePolicy.clock
     if 0.0 < step < math.inf:
         now = np.ceil(now / step) * step
@@ -981,7 +1071,7 @@ def _evict(ps, c, now):
                 and rec[up, PIN] == 0 and rec[up, NCHILD] == 0:
             if si[DEFERRED] == up:
                 si[DEFERRED] = -1
-            return _take(ps, c, up)
+            return _take(ps, c, up, at)
     _flush(ps, rec)
     rescore = not (si[CAND_OK] and sf[CAND_NOW] == now)
     full = rescore or si[STALE]
@@ -994,7 +1084,7 @@ def _evict(ps, c, now):
         return -1
     si[LAST_G] = rec[v, GROUP]
     ps.gi[G_DIRTY, rec[v, GROUP]] = 1
-    return _take(ps, c, v)
+    return _take(ps, c, v, at)
 
 
 @jit
@@ -1036,8 +1126,10 @@ class SAECacheTwin(Twin):
         win_t0, has_t0 = _opt(state["window_t0"])
         cand_now, cand_ok = _opt(state["cand_now"])
         sampled = not sw["density"] or sw["position_decay"]  # as SAECachePolicy._st_sampled
-        si = np.zeros(31, dtype=np.int64)
+        si = np.zeros(33, dtype=np.int64)
         si[LAST_G], si[REBIN], si[COMPLETING], si[EMP] = -1, sw["rebin"], -1, _shaped(sw)
+        select = sw["gap_select"]
+        si[SELECT], si[SHAPE_SWITCHES] = select, state["gap_switches"] if select else 0
         si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
             TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, VALUED]] = [
             state["released"], state["next_up"], state["next_stamp"], state["deferred"], state["stale"], cand_ok,
@@ -1066,14 +1158,20 @@ class SAECacheTwin(Twin):
         self.state = SAEState(
             req=req, n_prompt=np.asarray(arrivals.n_prompt_of, dtype=np.int32), req_pst=np.zeros(m), gi=gi, gl=gl,
             gf=np.zeros((G_CUNTIL + 3, groups)),
-            slotp=np.array([slot_p(k) for k in range(N_SLOTS + 1)]), gaps=np.zeros((N_QUEUES, 4)),
+            slotp=np.array([slot_p(k) for k in range(N_SLOTS + 1)]), gaps=np.zeros((N_QUEUES, 7)),
             coef=np.zeros(groups // N_GROUPS * GROUP_SLOT), vbin=vbin, root=np.full(1, -1, dtype=np.int64), qn=qn,
             offset=np.zeros(core.rec.shape[0] if sampled else 1),
             hslot=np.zeros((N_ST, 2 * policy.sample), dtype=np.int32),
             hstamp=np.zeros((N_ST, 2 * policy.sample), dtype=np.int64), si=si, sf=sf,
             relby=np.full(core.rec.shape[0] if sw["rebin"] else 1, NOT_RELEASED, dtype=np.int32),
             bslot=np.zeros(m if sw["rebin"] else 1, dtype=np.int8),
-            bmark=np.zeros(m if sw["rebin"] else 1, dtype=np.int64), emp=np.zeros((1, 1)), **self._model_rows(m))
+            bmark=np.zeros(m if sw["rebin"] else 1, dtype=np.int64), emp=np.zeros((1, 1)),
+            relt=np.full(core.rec.shape[0] if select else 1, math.nan), gll=np.zeros((N_QUEUES, 2), dtype=np.int64),
+            **self._model_rows(m))
+        if select:  # gap_shape.GapShapeChoice's state: each idle block's release, the sums, the choices
+            self.state.relt[:n] = state["idle_since"]
+            self.state.gll[_SHAPED] = state["gap_loglik"]
+            self.state.gaps[_SHAPED, 6] = state["gap_exponential"]
         si[RB_MARK] = 1
         si[RB_FEAT] = sw["rebin"] and arrivals.model.features
         if sw["rebin"]:  # as SAECachePolicy.import_state: releasing requests before any completion are forgotten
@@ -1110,8 +1208,9 @@ class SAECacheTwin(Twin):
         params, sw = policy.params, policy.switches
         gaps = gap_models(params, sw["lognormal"])
         self.arrivals.gaps = (gaps[CH], gaps[AG])
-        for q, g in gaps.items():
-            ps.gaps[q] = g.constants()
+        for q, g in gaps.items():  # (gaps[q, 6], gap_select's choice, stays: SAECachePolicy._read_shapes)
+            ps.gaps[q, :4] = g.constants()
+            ps.gaps[q, 4], ps.gaps[q, 5] = g.sigma, math.exp(g.mu + g.sigma * g.sigma / 2)
         mu, sigma = params["mu_chat"], params["sigma_chat"]
         ps.sf[EXP_MEAN_CH] = math.exp(mu + sigma * sigma / 2)
         ps.sf[GAMMA] = params["gamma"]
@@ -1300,7 +1399,10 @@ class SAECacheTwin(Twin):
                    else {}),
                 **(self._rebin_state(n) if self.policy.switches["rebin"] else {}),
                 **({"empirical_used": np.array(self._emp_now[1], dtype=np.int64), "mixture_prior": self._emp_now[2]}
-                   if _shaped(self.policy.switches) else {})}
+                   if _shaped(self.policy.switches) else {}),
+                **({"idle_since": ps.relt[:n].copy(), "gap_loglik": ps.gll[_SHAPED].copy(),
+                    "gap_exponential": ps.gaps[_SHAPED, 6].astype(np.int64), "gap_switches": int(si[SHAPE_SWITCHES])}
+                   if si[SELECT] else {})}
 
     def _rebin_state(self, n: int) -> dict[str, np.ndarray]:
         ps = self.state

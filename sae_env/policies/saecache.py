@@ -75,6 +75,9 @@ refit: survival.EmpiricalGaps; the continuation model keeps the log-normal), ``g
 queues' hit density reads two log-normals mixed, fitted to the gaps completed so far with the learners' log-normal as
 the same prior, refitted once the gaps have grown by ``refit_growth`` since the last fit, where BIC prefers them to one
 log-normal, the learners' log-normal otherwise: survival.fit_gap_mixture; not with ``empirical_gaps``),
+``gap_select`` (on: at every refit each chat, agent and structural queue's hit density reads the learners' log-normal
+or the exponential of the same mean, whichever the cure model's likelihood of this cache's own hits, evictions and
+idle blocks prefers so far: gap_shape.py; not with ``empirical_gaps`` or ``gap_mixture``),
 ``type_weights`` (off: w = 1), ``adaptive_alpha`` (off:
 alpha = 1), ``lognormal`` (off: exponential gaps), ``position_decay`` (off: no offset term), ``multi_queue`` (off: one
 temporal queue, no PE priority), ``predictor`` (the paper's ranking: off routes first requests by rule only; under the
@@ -128,6 +131,7 @@ from sae_env.policies.arrivals import (
     slot_p,
 )
 from sae_env.policies.base import EvictionPolicy, ParamSpec, block_array
+from sae_env.policies.gap_shape import GapShapeChoice
 from sae_env.policies.survival import (
     EmpiricalGaps,
     ExponentialGaps,
@@ -243,7 +247,8 @@ class SAECachePolicy(EvictionPolicy):
                  continuation: bool = True, density: bool = True, continuation_features: bool = True,
                  censoring: bool = True, timed_refit: bool = True, posterior_end: bool = True,
                  pe_routing: bool = False, hit_value: bool = False, rebin: bool | None = None,
-                 empirical_gaps: bool = False, gap_mixture: bool = False, continue_threshold: float = 0.5,
+                 empirical_gaps: bool = False, gap_mixture: bool = False, gap_select: bool = False,
+                 continue_threshold: float = 0.5,
                  sample: int = 8, min_dt: float = 1e-3, refit_steps: int = 2, refit_growth: float = 0.5,
                  value_context: float | None = None, clock_step: float = CLOCK_STEP, rebin_every: int = 1,
                  rebin_move: float = REBIN_MOVE, params: dict[str, float] | None = None) -> None:
@@ -262,7 +267,7 @@ class SAECachePolicy(EvictionPolicy):
                  "timed_refit": timed_refit, "posterior_end": posterior_end, "pe_routing": pe_routing,
                  "hit_value": hit_value, "rebin": rebin if rebin is not None else continuation and density,
                  "empirical_gaps": empirical_gaps,
-                 "gap_mixture": gap_mixture}
+                 "gap_mixture": gap_mixture, "gap_select": gap_select}
         for name, value in flags.items():  # bool("false") is True: a typo must not flip a switch on silently
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"saecache: {name} must be true or false, got {value!r}")
@@ -287,6 +292,12 @@ class SAECachePolicy(EvictionPolicy):
                                  f"as its prior: it needs density=True and lognormal=True")
         if empirical_gaps and gap_mixture:
             raise ValueError("saecache: empirical_gaps and gap_mixture are two shapes of the same gaps: choose one")
+        if gap_select and (self._empirical or not (self._density and self.switches["lognormal"])):
+            raise ValueError("saecache: gap_select chooses between the log-normal and the exponential of the hit "
+                             "density: it needs density=True and lognormal=True, without empirical_gaps or "
+                             "gap_mixture")
+        # gap_select: each temporal and structural queue's gap shape, chosen by this cache's re-accesses (gap_shape.py)
+        self._shape = GapShapeChoice((CH, AG, ST)) if gap_select else None
         # rebin: the request that last released each cached chat or agent block, and each such request's bin as the
         # continuation model saw it at the last rebinning (see _rebin_blocks)
         self._released_by: dict[Block, int] = {}
@@ -353,6 +364,7 @@ class SAECachePolicy(EvictionPolicy):
         self._slot = 0  # continuation bin of the current request (0: none)
         self._n_prompt = 1
         self._now = 0.0  # latest arrival
+        self._evict_now = 0.0  # the instant of the eviction under way (gap_select scores the victim's idle time)
         self._inflight: dict[int, tuple[int, int]] = {}  # request -> (queue, slot) chosen at its arrival
         self._output_reasoning = False  # the completing request's output holds reasoning
         self._occupancy = [0] * N_QUEUES
@@ -378,6 +390,8 @@ class SAECachePolicy(EvictionPolicy):
         self._exp_mean = {q: math.exp(mu + s * s / 2) for q, (mu, s) in self._ln.items()}
         self._gaps = gap_models(p, sw["lognormal"])
         self.arrivals.gaps = (self._gaps[CH], self._gaps[AG])  # the continuation model's, log-normal in any case
+        if self._shape is not None:
+            self._read_shapes()
         if self._empirical and self._params_watcher is None:  # (watched: the compiled engine ranks, and rebuilds)
             self._empirical_gaps()
         self._gamma = p["gamma"]
@@ -553,6 +567,8 @@ class SAECachePolicy(EvictionPolicy):
                 stamps.append(seq)
                 members.append(b)
         self._released = seq
+        if self._shape is not None:
+            self._shape.released(blocks, now)
         if self._rebin:
             by, i = self._released_by, self._completing
             for b in blocks:
@@ -605,6 +621,9 @@ class SAECachePolicy(EvictionPolicy):
         qh = self._queue_hits
         for b in blocks:
             qh[b.queue] += 1
+        if self._shape is not None:
+            for b in blocks:
+                self._shape.ended(b, now, True, self._p_of, self._shape_of)
 
     def _compact(self) -> None:
         """Drop the dead entries of every list and returned-heap; live ones keep their order, so no decision changes.
@@ -784,6 +803,7 @@ class SAECachePolicy(EvictionPolicy):
         return now
 
     def evict(self, now: float) -> Block | None:
+        self._evict_now = now  # gap_select: the victim's idle time ends here (the ranking reads the clock's step)
         now = self.clock(now)
         up = self._next_up
         if up is not None:
@@ -847,6 +867,8 @@ class SAECachePolicy(EvictionPolicy):
 
     def _take(self, victim: Block, stamp: int) -> Block:
         """Forget the victim (its list or heap entry is dead now) and note its parent as the likely next one."""
+        if self._shape is not None:  # (before rebin forgets its releasing request, which its bin needs)
+            self._shape.ended(victim, self._evict_now, False, self._p_of, self._shape_of)
         self._occupancy[victim.queue] -= 1
         victim.stamp = 0
         group = victim.pdata
@@ -905,7 +927,25 @@ class SAECachePolicy(EvictionPolicy):
             self._rebin_blocks()
         if self._empirical:
             self._empirical_gaps()
+        if self._shape is not None and self._shape.choose(now, self._p_of, self._shape_of):
+            self._read_shapes()
         self._changed()
+
+    def _read_shapes(self) -> None:
+        """gap_select: each queue's density reads the shape chosen for it (gap_shape.py): the log-normal of its
+        parameters or the exponential of the same mean."""
+        for q, exponential in self._shape.exponential.items():
+            self._gaps[q] = ExponentialGaps(self._exp_mean[q]) if exponential else LognormalGaps(*self._ln[q])
+
+    def _p_of(self, b: Block) -> float:
+        """gap_select: the continuation probability block ``b``'s score reads now (its group's bin; the shared
+        prefixes' reuse rate for a structural block)."""
+        return self.arrivals.p_structural if b.queue == ST else slot_p(self._group(b) % VALUE_STRIDE // _SLOT)
+
+    def _shape_of(self, q: int) -> tuple[float, float, float]:
+        """gap_select: queue ``q``'s log-normal ``mu, sigma`` and their mean."""
+        mu, sigma = self._ln[q]
+        return mu, sigma, self._exp_mean[q]
 
     def _empirical_gaps(self, used: tuple[int, int] | None = None, prior: Any = None) -> None:
         """``empirical_gaps`` or ``gap_mixture``: the chat and agent queues' gap distributions from the gaps completed
@@ -1014,6 +1054,8 @@ class SAECachePolicy(EvictionPolicy):
             out.update(rebin_last_state(self._rebin_last))  # the model at the last rebinning
         if self.switches["position_decay"]:  # a structural block's relative offset (unused otherwise)
             out["offset"] = block_array(blocks, index, lambda b: b.pdata if b.queue == ST else None, np.float64)
+        if self._shape is not None:  # gap_select: each idle block's release, the sums, the choices
+            out.update(self._shape.export_state(blocks, index, block_array))
         if self._empirical:  # the gaps the ranking's distributions were built from (each queue's first n)
             out["empirical_used"] = np.array(self._shapes.used, dtype=np.int64)
             out["mixture_prior"] = self._shapes.priors  # and the prior each was built with
@@ -1046,6 +1088,9 @@ class SAECachePolicy(EvictionPolicy):
                 if self._density and not (b.queue == ST and self._st_sampled):
                     heapq.heappush(self._returned_new.setdefault(g, []), (-b.stamp, b.key, b))
         self._dirty = set(self._lists)
+        if self._shape is not None:
+            self._shape.import_state(state, blocks)
+            self._read_shapes()
         self._cand, self._held, self._memo, self._consts = {}, {}, {}, {}
         self._memo_now = None
         self._released = int(state["released"])
