@@ -66,7 +66,7 @@ def both(trace: Trace, capacity: int, server=None, options=None, policy="saecach
     return runs[0], runs[1]
 
 
-PER_BLOCK = ("stamp", "where", "group", "offset", "released_by")
+PER_BLOCK = ("stamp", "where", "group", "offset", "released_by", "idle_since")
 POSITIONS = ("next_up", "deferred")
 
 
@@ -83,8 +83,8 @@ def contract_state(cache: PrefixCache) -> dict:
             out[name] = dict(zip(keys, values, strict=True))
     pstate = cache.policy.export_state({b.key: i for i, b in enumerate(blocks)})
     for name, v in pstate.items():
-        if name in PER_BLOCK:
-            out[name] = dict(zip(keys, v.tolist(), strict=True))
+        if name in PER_BLOCK:  # (NaN: none, comparable)
+            out[name] = dict(zip(keys, [None if x != x else x for x in v.tolist()], strict=True))
         elif name in POSITIONS:
             out[name] = keys[v] if v >= 0 else None
         elif isinstance(v, float) and v != v:
@@ -456,17 +456,68 @@ def test_timed_hand_over_both_ways_after_any_window(trace, capacity, window, sto
     hand_over(ref, moved, stops, contract_state, timed=True)
 
 
-@pytest.mark.parametrize("extra", [REBIN, EMPIRICAL, MIXTURE], ids=["rebin", "empirical_gaps", "gap_mixture"])
+@pytest.mark.parametrize("extra", [REBIN, EMPIRICAL, MIXTURE, {"gap_select": True}],
+                         ids=["rebin", "empirical_gaps", "gap_mixture", "gap_select"])
 @settings(max_examples=30, deadline=None, report_multiple_bugs=False)
 @given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 6),
        stops=st.lists(st.integers(0, 8), min_size=1, max_size=3), options=switches)
 def test_hand_over_both_ways_with_refit_state(extra, trace, capacity, window, stops, options):
     """What a refit leaves moves both ways: under rebin each block's releasing request and the bins of the last
     rebinning; under empirical_gaps and gap_mixture the gaps each queue's table rests on (empirical_used), and the
-    mixture's prior (mixture_prior)."""
+    mixture's prior (mixture_prior); under gap_select each idle block's release, the likelihood sums and the shapes
+    chosen."""
     with refit_every_3(), mixtures_taken():
         hand_over_policy("saecache", trace, capacity, window, stops,
                          _one_shape(options, extra) if extra is not REBIN else {**options, **extra})
+
+
+# gap_select (gap_shape.py): the kernel scores each hit and eviction into the likelihood sums, counts the idle blocks
+# at each refit by slot (the sums are integers: the order does not matter) and ranks by the exponential's density
+# where a queue chose it.
+GAP_SELECT = {"gap_select": True}
+
+
+@settings(max_examples=40, deadline=None, report_multiple_bugs=False)
+@given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 7),
+       ghosts=st.sampled_from([None, 0, 2]), outputs=st.booleans(), timed=st.booleans(), options=switches,
+       rebin=st.booleans())
+def test_session_traces_agree_with_gap_select(trace, capacity, window, ghosts, outputs, timed, options, rebin):
+    """A refit every 3 arrivals, so that these short traces choose many times (the window statistics carry each
+    queue's choice), instant and timed, with rebin or without."""
+    with refit_every_3():
+        py, fast = both(trace, capacity, {"preset": SERVER, "token_budget": 16} if timed else None,
+                        options={**_one_shape(options, GAP_SELECT), **(REBIN if rebin else {})},
+                        window_requests=window, ghost_capacity=ghosts, cache_outputs=outputs)
+    assert_same_windows(py, fast)
+    assert contract_state(fast.to_python()) == contract_state(py.to_python())
+
+
+@pytest.mark.parametrize("trace_name", ["mooncake_synthetic", "wildchat", "taubench", "mooncake_arxiv"])
+def test_embedded_real_traces_agree_with_gap_select(trace_name):
+    """Real gaps and the refits as shipped: the same hits, the same sums to the unit, the same choices; on
+    mooncake_synthetic at 2 % the chat queue chooses the exponential (docs/saecache-real-traces.md)."""
+    trace = real(trace_name, 1500)
+    for fraction in (0.02, 0.1):
+        py, fast = both(trace, max(1, int(fraction * trace.distinct_blocks())), options=GAP_SELECT,
+                        window_requests=200)
+        assert_same_windows(py, fast)
+        assert contract_state(fast.to_python()) == contract_state(py.to_python())
+        if trace_name == "mooncake_synthetic" and fraction == 0.02:
+            assert py.policy._shape.switches_made > 0
+            assert any(w.policy["gap_exponential"][0] for w in py.windows)
+
+
+@settings(max_examples=300, deadline=None)
+@given(mean=st.floats(1e-3, 1e5), p=st.floats(1e-4, 1 - 1e-4), horizon=st.floats(1e-4, 1e6),
+       dt=st.floats(1e-4, 1e7), span=st.floats(0, 1e6), at=st.lists(st.floats(0, 1), min_size=1, max_size=8))
+def test_the_exponential_density_is_the_policys_and_its_bound_holds(mean, p, horizon, dt, span, at):
+    """The kernel's exponential density is ExponentialGaps.density to the bit, and the scan's bound (its value at the
+    interval's end: it falls with idle time) holds over the interval, shrunk by BOUND_MARGIN as the scan shrinks it."""
+    f, lb = fast_sae._exp_density_and_bound.py_func(mean, p, dt, horizon, dt + span)
+    assert f == survival.ExponentialGaps(mean).density(p, dt, horizon)
+    for x in at:
+        t = dt + x * span
+        assert survival.ExponentialGaps(mean).density(p, t, horizon) >= lb * fast_sae.BOUND_MARGIN
 
 
 def test_hand_over_on_a_real_trace():

@@ -25,7 +25,11 @@ reaches, so the choice follows its size; its evictions depend on the idle time a
 likelihood conditions on.
 ``select=False`` is SAECache itself (the sums are kept, never acted on).
 
-Python engine only (a subclass; the compiled twin mirrors SAECache's class exactly).
+Python engine only (a subclass; the compiled twin mirrors SAECache's class exactly). The policy's ``gap_select`` switch
+(sae_env/policies/gap_shape.py, on both engines) is this probe made part of SAECache: it chooses at the refits only
+(not also when the learners set parameters), keeps its sums in whole units (the compiled engine's sums are then the
+same), ends a block's idle time at its first hit, and has no ``decay`` or ``pending`` option. This probe stays for the
+figures it made (docs/saecache-real-traces.md).
 """
 
 from __future__ import annotations
@@ -34,24 +38,19 @@ import math
 from typing import Any
 
 from sae_env.block import Block
+from sae_env.policies import gap_shape
 from sae_env.policies.arrivals import AG, CH, ST, slot_p
 from sae_env.policies.saecache import GROUP_SLOT, VALUE_STRIDE, SAECachePolicy
-from sae_env.policies.survival import ExponentialGaps, LognormalGaps, lognormal_sf
+from sae_env.policies.survival import ExponentialGaps, LognormalGaps
 
 QUEUES = (CH, AG, ST)
-_HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
 def cure_loglik(event: bool, t: float, p: float, mu: float, sigma: float) -> tuple[float, float]:
     """The cure model's log-likelihood of one block's idle time ``t`` (a re-access if ``event``, else censored) with
-    continuation probability ``p``, under ``LN(mu, sigma)`` and under the exponential of the same mean."""
-    mean = math.exp(mu + sigma * sigma / 2.0)
-    if event:
-        z = (math.log(t) - mu) / sigma
-        log_p = math.log(p)
-        return (log_p - 0.5 * z * z - math.log(t * sigma) - _HALF_LOG_2PI,
-                log_p - t / mean - math.log(mean))
-    return math.log(1.0 - p + p * lognormal_sf(t, mu, sigma)), math.log(1.0 - p + p * math.exp(-t / mean))
+    continuation probability ``p``, under ``LN(mu, sigma)`` and under the exponential of the same mean
+    (gap_shape.cure_loglik, the policy's)."""
+    return gap_shape.cure_loglik(event, t, p, mu, sigma, math.exp(mu + sigma * sigma / 2.0))
 
 
 class GapSelect(SAECachePolicy):

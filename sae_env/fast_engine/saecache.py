@@ -96,7 +96,7 @@ from sae_env.policies.arrivals import (
     slot_p,
 )
 from sae_env.policies.continuation import P_CLIP
-from sae_env.policies.gap_shape import cure_loglik, loglik_units
+from sae_env.policies.gap_shape import cure_loglik, idle_every, loglik_units
 from sae_env.policies.saecache import (
     GROUP_SLOT,
     VALUE_STRIDE,
@@ -133,10 +133,10 @@ BOUND_MARGIN = 1.0 - 1e-6
 # plus one (a request's bin is current when its bmark is this), the model's row the next rebinning reads (rbr, rbb:
 # counted from 0 in each window, as Twin.prepare writes them), whether the model has features (continuation.features);
 # empirical_gaps: whether it is on, and the row of tables (emp) the scores read now (0 at a window's start, one more at
-# each refit); gap_select: whether it is on, and the changes of shape it made so far.
+# each refit); gap_select: whether it is on, the changes of shape it made so far, its idle blocks' sampling step.
 SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
     MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED, REBIN, COMPLETING, \
-    RB_MARK, RB_NEXT, RB_FEAT, EMP, EMP_ROW, SELECT, SHAPE_SWITCHES = range(33)
+    RB_MARK, RB_NEXT, RB_FEAT, EMP, EMP_ROW, SELECT, SHAPE_SWITCHES, IDLE_EVERY = range(34)
 NOT_RELEASED = -2  # rebin: a slot's releasing request when none (-1: released before any completion)
 # gap_mixture: a queue's row of tables where BIC kept the learners' log-normal (its survival row starts below 0: the
 # kernel scores that queue by the log-normal's closed form, as the Python policy does)
@@ -220,6 +220,7 @@ class SAEState(NamedTuple):
     # the likelihood sums of the hits and evictions so far (gap_shape.GapShapeChoice.loglik, in its units)
     relt: np.ndarray  # float64 per slot
     gll: np.ndarray  # int64 [queue, (log-normal, exponential)]
+    shm: np.ndarray  # float64 [M_HIT | M_EVICT | M_IDLE, M_*]: the last term each computed (see M_Q)
 
 
 # -- the groups' sets ------------------------------------------------------------------------------------------------
@@ -505,6 +506,15 @@ def _exp_density(mean, p, dt, horizon):
 
 
 @inline
+def _exp_density_and_bound(mean, p, dt, horizon, dt_b):
+    """_exp_density at ``dt``, and a lower bound over ``[dt, dt_b]``: its value at ``dt_b``, except where a return
+    within the horizon is a difference of survivals a millionth apart (``horizon`` under a millionth of the mean),
+    whose rounding could put a later score below it (no bound: 0)."""
+    f = _exp_density(mean, p, dt, horizon)
+    return f, _exp_density(mean, p, dt_b, horizon) if horizon > 1e-6 * mean else 0.0
+
+
+@inline
 def _score(ps, recf, g, s, now, until):
     """SAECachePolicy._least's score of slot ``s`` of group ``g`` at ``now``, and a lower bound on it until the
     instant ``until`` (-inf: none)."""
@@ -539,7 +549,7 @@ def _score(ps, recf, g, s, now, until):
             return ps.coef[code] * f, ps.coef[code] * lb
     gp = ps.gaps
     if gp[q, 6] != 0.0:  # gap_select chose the exponential
-        f, lb = _exp_density(gp[q, 5], p, dt, horizon), _exp_density(gp[q, 5], p, dt_b, horizon)
+        f, lb = _exp_density_and_bound(gp[q, 5], p, dt, horizon, dt_b)
     else:
         f, lb = density_and_bound(gp[q, 0], gp[q, 1], gp[q, 2], gp[q, 3], p, dt, horizon, dt_b)
     return ps.coef[code] * f, ps.coef[code] * lb
@@ -837,10 +847,17 @@ _cure = inline(cure_loglik)
 _units = inline(loglik_units)
 
 
+# A memo row (shm): the last term computed, by (queue, whether an event, idle time, p), and its two units. The blocks
+# of one request's path are released together and hit, evicted and left idle in runs of one group: most terms repeat
+# the last (the same function of the same floats, so the same units).
+M_Q, M_EVENT, M_T, M_P, M_LN, M_EX = range(6)
+M_HIT, M_EVICT, M_IDLE = range(3)  # a row per caller
+
+
 @inline
-def _shape_add(ps, rec, s, event, t, sums, pst):
+def _shape_add(ps, rec, s, event, t, sums, pst, memo):
     """GapShapeChoice.add of slot ``s``'s idle time ``t`` into ``sums``, with the continuation probability its score
-    reads (SAECachePolicy._p_of; ``pst``: the structural one)."""
+    reads (SAECachePolicy._p_of; ``pst``: the structural one); ``memo``: a row of shm."""
     q = rec[s, QUEUE]
     if not (q == CH or q == AG or q == ST) or not t > 0.0:
         return
@@ -849,31 +866,38 @@ def _shape_add(ps, rec, s, event, t, sums, pst):
     else:
         g = _current_group(ps, rec, s) if ps.si[REBIN] else rec[s, GROUP]
         p = ps.slotp[g % N_GROUPS // GROUP_SLOT]
-    gp = ps.gaps
-    ln, ex = _cure(event, t, p, gp[q, 0], gp[q, 4], gp[q, 5])
-    sums[q, 0] += _units(ln)
-    sums[q, 1] += _units(ex)
+    ev = 1.0 if event else 0.0
+    if not (memo[M_T] == t and memo[M_P] == p and memo[M_Q] == q and memo[M_EVENT] == ev):
+        gp = ps.gaps
+        ln, ex = _cure(event, t, p, gp[q, 0], gp[q, 4], gp[q, 5])
+        memo[M_Q], memo[M_EVENT], memo[M_T], memo[M_P] = q, ev, t, p
+        memo[M_LN], memo[M_EX] = _units(ln), _units(ex)  # (whole units below 2**53: exact as floats)
+    sums[q, 0] += np.int64(memo[M_LN])
+    sums[q, 1] += np.int64(memo[M_EX])
 
 
 @inline
-def _ended(ps, rec, s, now, event):
+def _ended(ps, rec, s, now, event, memo):
     """GapShapeChoice.ended: slot ``s``, idle since its release, is hit (``event``) or evicted at ``now``."""
     t0 = ps.relt[s]
     if t0 == t0:
         ps.relt[s] = math.nan
-        _shape_add(ps, rec, s, event, now - t0, ps.gll, ps.sf[PST])
+        _shape_add(ps, rec, s, event, now - t0, ps.gll, ps.sf[PST], memo)
 
 
 @jit
-def _choose_shapes(ps, rec, n, now, pst):
-    """GapShapeChoice.choose at a refit: the idle blocks (slots ``0 .. n-1``) counted censored at ``now``; whether a
-    queue's shape changed (gaps[q, 6])."""
-    total = ps.gll.copy()
+def _choose_shapes(ps, rec, n, now, pst, every):
+    """GapShapeChoice.choose at a refit: the idle blocks (slots ``0 .. n-1``) whose release stamp is a multiple of
+    ``every`` counted censored at ``now``, ``every`` times each; whether a queue's shape changed (gaps[q, 6])."""
+    total = np.zeros_like(ps.gll)
     relt = ps.relt
+    memo = ps.shm[M_IDLE]
     for s in range(n):
         t0 = relt[s]
-        if t0 == t0:
-            _shape_add(ps, rec, s, False, now - t0, total, pst)
+        if t0 == t0 and abs(rec[s, STAMP]) % every == 0:
+            _shape_add(ps, rec, s, False, now - t0, total, pst, memo)
+    total *= every
+    total += ps.gll
     changed = False
     for q in (CH, AG, ST):
         e = 1.0 if total[q, 1] > total[q, 0] else 0.0
@@ -911,7 +935,7 @@ def _request(ps, c, j, now):
         if si[EMP]:  # SAECachePolicy._empirical_gaps: the next row of tables, built by Twin.prepare
             si[EMP_ROW] += 1
         if si[SELECT]:  # the arrival moved the structural rate before the policy's refit
-            _choose_shapes(ps, c.rec, c.sc[N], now, ps.req_pst[j] if f & STRUCTURAL else sf[PST])
+            _choose_shapes(ps, c.rec, c.sc[N], now, ps.req_pst[j] if f & STRUCTURAL else sf[PST], si[IDLE_EVERY])
         _changed(ps)
     q = ps.req[R_Q, j]
     ps.req[R_LIVE, j] = 1
@@ -969,8 +993,9 @@ def _hit(ps, c, path, i0, i1, now):
     for i in range(i0, i1):
         qn[Q_HITS, rec[path[i], QUEUE]] += 1
     if ps.si[SELECT]:
+        memo = ps.shm[M_HIT]
         for i in range(i0, i1):
-            _ended(ps, rec, path[i], now, True)
+            _ended(ps, rec, path[i], now, True, memo)
 
 
 @implements(SAEState, "on_acquire")
@@ -1033,7 +1058,7 @@ def _take(ps, c, v, now):
     rec = c.rec
     si = ps.si
     if si[SELECT]:  # (before rebin forgets its releasing request, which its bin needs)
-        _ended(ps, rec, v, now, False)
+        _ended(ps, rec, v, now, False, ps.shm[M_EVICT])
     q = rec[v, QUEUE]
     ps.qn[Q_OCC, q] -= 1
     stamp = rec[v, STAMP]
@@ -1126,10 +1151,11 @@ class SAECacheTwin(Twin):
         win_t0, has_t0 = _opt(state["window_t0"])
         cand_now, cand_ok = _opt(state["cand_now"])
         sampled = not sw["density"] or sw["position_decay"]  # as SAECachePolicy._st_sampled
-        si = np.zeros(33, dtype=np.int64)
+        si = np.zeros(34, dtype=np.int64)
         si[LAST_G], si[REBIN], si[COMPLETING], si[EMP] = -1, sw["rebin"], -1, _shaped(sw)
         select = sw["gap_select"]
         si[SELECT], si[SHAPE_SWITCHES] = select, state["gap_switches"] if select else 0
+        si[IDLE_EVERY] = idle_every(self.capacity, policy.idle_sample)
         si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
             TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, VALUED]] = [
             state["released"], state["next_up"], state["next_stamp"], state["deferred"], state["stale"], cand_ok,
@@ -1167,6 +1193,7 @@ class SAECacheTwin(Twin):
             bslot=np.zeros(m if sw["rebin"] else 1, dtype=np.int8),
             bmark=np.zeros(m if sw["rebin"] else 1, dtype=np.int64), emp=np.zeros((1, 1)),
             relt=np.full(core.rec.shape[0] if select else 1, math.nan), gll=np.zeros((N_QUEUES, 2), dtype=np.int64),
+            shm=np.full((3, 6), math.nan),
             **self._model_rows(m))
         if select:  # gap_shape.GapShapeChoice's state: each idle block's release, the sums, the choices
             self.state.relt[:n] = state["idle_since"]
@@ -1211,6 +1238,7 @@ class SAECacheTwin(Twin):
         for q, g in gaps.items():  # (gaps[q, 6], gap_select's choice, stays: SAECachePolicy._read_shapes)
             ps.gaps[q, :4] = g.constants()
             ps.gaps[q, 4], ps.gaps[q, 5] = g.sigma, math.exp(g.mu + g.sigma * g.sigma / 2)
+        ps.shm[:] = math.nan  # gap_select's memo: its terms were of the old parameters
         mu, sigma = params["mu_chat"], params["sigma_chat"]
         ps.sf[EXP_MEAN_CH] = math.exp(mu + sigma * sigma / 2)
         ps.sf[GAMMA] = params["gamma"]
@@ -1432,7 +1460,8 @@ class SAECacheTwin(Twin):
             horizon = None
         if self.compiled is not None:
             self.compiled.stats_to_python()
-        return window_stats(self.arrivals, ps.qn[Q_HITS].tolist(), ps.qn[Q_OCC].tolist(), self.policy.params, horizon)
+        return window_stats(self.arrivals, ps.qn[Q_HITS].tolist(), ps.qn[Q_OCC].tolist(), self.policy.params, horizon,
+                            ps.gaps[_SHAPED, 6].astype(np.int64).tolist() if ps.si[SELECT] else None)
 
     def occupancy_by_queue(self, n: int) -> dict[int, int]:
         return {q: k for q, k in enumerate(self.state.qn[Q_OCC].tolist()) if k}

@@ -89,6 +89,8 @@ within noise); ``rebin_every`` (1): under ``rebin``, the blocks move at every ``
 ``rebin_move`` (``REBIN_MOVE``, half a continuation bin): under ``rebin``, the blocks move only once the model has
 moved since the last rebinning, ``beta`` refitted or a turn's rate by more than this in logit (0: at any move, the
 decisions of rebinning at every refit);
+``idle_sample`` (``IDLE_SAMPLE``): under ``gap_select``, the idle blocks a refit counts, at least (twice as many at
+most: gap_shape.idle_every);
 ``clock_step`` (1/128; 0 under the paper's ranking), the step of the clock the ranking reads, as a fraction of the
 turnover horizon (``CLOCK_STEP``: the evictions of every arrival within one step share one scan's
 scores; 0: the exact clock).
@@ -131,7 +133,7 @@ from sae_env.policies.arrivals import (
     slot_p,
 )
 from sae_env.policies.base import EvictionPolicy, ParamSpec, block_array
-from sae_env.policies.gap_shape import GapShapeChoice
+from sae_env.policies.gap_shape import IDLE_SAMPLE, GapShapeChoice, idle_every
 from sae_env.policies.survival import (
     EmpiricalGaps,
     ExponentialGaps,
@@ -251,7 +253,8 @@ class SAECachePolicy(EvictionPolicy):
                  continue_threshold: float = 0.5,
                  sample: int = 8, min_dt: float = 1e-3, refit_steps: int = 2, refit_growth: float = 0.5,
                  value_context: float | None = None, clock_step: float = CLOCK_STEP, rebin_every: int = 1,
-                 rebin_move: float = REBIN_MOVE, params: dict[str, float] | None = None) -> None:
+                 rebin_move: float = REBIN_MOVE, idle_sample: int = IDLE_SAMPLE,
+                 params: dict[str, float] | None = None) -> None:
         super().__init__()
         if sample < 1:
             raise ValueError(f"saecache: sample must be >= 1, got {sample}")
@@ -298,6 +301,9 @@ class SAECachePolicy(EvictionPolicy):
                              "gap_mixture")
         # gap_select: each temporal and structural queue's gap shape, chosen by this cache's re-accesses (gap_shape.py)
         self._shape = GapShapeChoice((CH, AG, ST)) if gap_select else None
+        if isinstance(idle_sample, bool) or not isinstance(idle_sample, (int, np.integer)) or idle_sample < 1:
+            raise ValueError(f"saecache: idle_sample must be a whole number of blocks >= 1, got {idle_sample!r}")
+        self.idle_sample = int(idle_sample)  # gap_select: idle blocks a refit counts, at least (a cost knob)
         # rebin: the request that last released each cached chat or agent block, and each such request's bin as the
         # continuation model saw it at the last rebinning (see _rebin_blocks)
         self._released_by: dict[Block, int] = {}
@@ -927,7 +933,8 @@ class SAECachePolicy(EvictionPolicy):
             self._rebin_blocks()
         if self._empirical:
             self._empirical_gaps()
-        if self._shape is not None and self._shape.choose(now, self._p_of, self._shape_of):
+        if self._shape is not None and self._shape.choose(now, self._p_of, self._shape_of,
+                                                          idle_every(self.cache.capacity, self.idle_sample)):
             self._read_shapes()
         self._changed()
 
@@ -1007,8 +1014,10 @@ class SAECachePolicy(EvictionPolicy):
         return {q: n for q, n in enumerate(self._occupancy) if n}
 
     def window_stats(self) -> dict[str, Any]:
+        shape = self._shape
         return window_stats(self.arrivals, self._queue_hits, self._occupancy, self.params,
-                            self.horizon if self._density else None)
+                            self.horizon if self._density else None,
+                            None if shape is None else [int(shape.exponential[q]) for q in shape.queues])
 
     # -- the state contract (sae_env.state) ----------------------------------------------------------------
     # Per block: its release stamp, where it waits (1: its group's recency list, 2: its group's returned-heaps,
@@ -1233,12 +1242,15 @@ def gap_models(params: dict[str, float], lognormal: bool = True) -> dict[int, Lo
 
 
 def window_stats(arrivals: Arrivals, queue_hits: list[int], occupancy: list[int], params: dict[str, float],
-                 horizon: float | None) -> dict[str, Any]:
+                 horizon: float | None, exponential: list[int] | None = None) -> dict[str, Any]:
     """SAECache's window statistics (what the online learners read), on either engine; ``horizon`` under
-    ``density`` only."""
+    ``density`` only; ``exponential`` under ``gap_select`` only: 1 where the chat, agent, structural queue reads the
+    exponential at the window's end."""
     out = {"queue_hits": list(queue_hits), "queue_occupancy": list(occupancy), "params": params}
     if horizon is not None:
         out["horizon_s"] = horizon
+    if exponential is not None:
+        out["gap_exponential"] = list(exponential)
     return arrivals.window_stats(out)
 
 
