@@ -480,13 +480,15 @@ GAP_SELECT = {"gap_select": True}
 @settings(max_examples=40, deadline=None, report_multiple_bugs=False)
 @given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 7),
        ghosts=st.sampled_from([None, 0, 2]), outputs=st.booleans(), timed=st.booleans(), options=switches,
-       rebin=st.booleans())
-def test_session_traces_agree_with_gap_select(trace, capacity, window, ghosts, outputs, timed, options, rebin):
+       rebin=st.booleans(), sample=st.sampled_from([1, 2, 64]))
+def test_session_traces_agree_with_gap_select(trace, capacity, window, ghosts, outputs, timed, options, rebin,
+                                              sample):
     """A refit every 3 arrivals, so that these short traces choose many times (the window statistics carry each
-    queue's choice), instant and timed, with rebin or without."""
+    queue's choice), instant and timed, with rebin or without, every idle block counted or a sample of them
+    (idle_sample 1 and 2: every 2nd to 16th release stamp)."""
     with refit_every_3():
         py, fast = both(trace, capacity, {"preset": SERVER, "token_budget": 16} if timed else None,
-                        options={**_one_shape(options, GAP_SELECT), **(REBIN if rebin else {})},
+                        options={**_one_shape(options, GAP_SELECT), **(REBIN if rebin else {}), "idle_sample": sample},
                         window_requests=window, ghost_capacity=ghosts, cache_outputs=outputs)
     assert_same_windows(py, fast)
     assert contract_state(fast.to_python()) == contract_state(py.to_python())

@@ -20,7 +20,7 @@ from sae_env.cache import PrefixCache, resolve_capacity
 from sae_env.metrics import summarize
 from sae_env.policies import make_policy
 from sae_env.policies.arrivals import AG, CH, ST
-from sae_env.policies.gap_shape import LOGLIK_UNIT, GapShapeChoice, cure_loglik, loglik_units
+from sae_env.policies.gap_shape import LOGLIK_UNIT, GapShapeChoice, cure_loglik, idle_every, loglik_units
 from sae_env.replay import Replay
 from sae_env.sources import open_trace
 from sae_env.trace import session_halves
@@ -84,6 +84,34 @@ def test_the_choice_follows_the_gaps_shape(drawn):
     assert shape.exponential == {CH: drawn == "exponential", AG: drawn == "exponential", ST: False}
     assert len(shape.idle) == n  # the hit blocks left it; the idle ones counted, not removed
     assert shape.switches_made == (2 if drawn == "exponential" else 0)
+
+
+def test_the_idle_sample_step():
+    """A power of two leaving ``sample`` to twice as many blocks of a full cache; 1 below twice the sample."""
+    assert [idle_every(c, 64) for c in (1, 64, 127, 128, 255, 256, 4015, 64 * 1024)] == [1, 1, 1, 2, 2, 4, 32, 1024]
+    for c in (128, 1000, 4015, 99_999):
+        assert 64 <= c / idle_every(c, 64) < 128
+    with pytest.raises(ValueError, match="idle_sample"):
+        make_policy("saecache", gap_select=True, idle_sample=0)
+
+
+def test_a_sample_of_idle_blocks_counts_every_times():
+    """totals(every=k) counts the idle blocks whose release stamp is a multiple of k, k times each: of eight blocks of
+    one idle time, stamps 4 and 8 four times each make the sums of all eight; of eight idle times, a different sum."""
+    mu, sigma = 1.0, 1.0
+    mean = math.exp(mu + sigma * sigma / 2)
+    shape = GapShapeChoice((CH, AG, ST))
+    blocks = _blocks(CH, 8)
+    for k, b in enumerate(blocks):
+        b.stamp = k + 1
+    shape.released(blocks, 0.0)
+    args = (lambda b: 0.9, lambda q: (mu, sigma, mean))
+    every, sampled = shape.totals(5.0, *args), shape.totals(5.0, *args, 4)
+    assert every == sampled and every[CH][0] < 0 and every[AG] == every[ST] == [0, 0]
+    for k, b in enumerate(blocks):
+        shape.idle[b] = float(k)
+    assert shape.totals(9.0, *args) != shape.totals(9.0, *args, 4)
+    assert shape.loglik[CH] == [0, 0]  # the idle blocks are counted, not kept
 
 
 @pytest.mark.parametrize("bad", [{"lognormal": False}, {"density": False}, {"empirical_gaps": True},

@@ -911,7 +911,8 @@ def test_structural_gap_stats_match_the_trace():
 
 
 @pytest.mark.parametrize("timed,rebin,shape", [(False, False, None), (True, False, None), (False, True, None),
-                                               (False, False, "empirical_gaps"), (False, False, "gap_mixture")])
+                                               (False, False, "empirical_gaps"), (False, False, "gap_mixture"),
+                                               (False, True, "gap_select"), (True, False, "gap_select")])
 def test_decisions_never_read_the_future(timed, rebin, shape):
     """The default policy with its online learners, on the trace and on the trace cut after request k: the same hits
     for every request before k (and, in instant mode, the same victims). Nothing a decision uses may come from a
@@ -978,10 +979,12 @@ def _imported(cls, state, bound):
 
 @pytest.mark.parametrize("switch,needs", [("rebin", ("continuation", "density")),
                                           ("empirical_gaps", ("density", "lognormal")),
-                                          ("gap_mixture", ("density", "lognormal"))])
+                                          ("gap_mixture", ("density", "lognormal")),
+                                          ("gap_select", ("density", "lognormal"))])
 def test_a_switch_needs_what_it_builds_on(switch, needs):
     """rebin moves blocks between continuation bins (the model's, under the density); empirical_gaps and gap_mixture
-    reshape the density's gap distribution, with the log-normal as the prior, and exclude each other."""
+    reshape the density's gap distribution, with the log-normal as the prior, and exclude each other; gap_select
+    chooses between the density's log-normal and its exponential."""
     for off in needs:
         with pytest.raises(ValueError, match=switch):
             SAECachePolicy(**{switch: True, off: False})

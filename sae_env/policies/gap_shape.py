@@ -120,15 +120,21 @@ class GapShapeChoice:
         if t0 is not None and b.queue in self.loglik:
             self.add(self.loglik, b.queue, event, now - t0, p_of(b), shape_of(b.queue))
 
-    def choose(self, now: float, p_of: Callable[[Block], float],
-               shape_of: Callable[[int], tuple[float, float, float]], every: int = 1) -> bool:
-        """Each queue reads the shape ahead, the idle blocks counted censored at ``now`` (those whose release stamp is
-        a multiple of ``every``, ``every`` times each); whether any choice changed."""
+    def totals(self, now: float, p_of: Callable[[Block], float],
+               shape_of: Callable[[int], tuple[float, float, float]], every: int = 1) -> dict[int, list[int]]:
+        """The sums with the idle blocks counted censored at ``now`` (those whose release stamp is a multiple of
+        ``every``, ``every`` times each)."""
         total = {q: list(s) for q, s in self.loglik.items()}
         for b, t0 in self.idle.items():
             q = b.queue
             if q in total and not abs(b.stamp) % every:
                 self.add(total, q, False, now - t0, p_of(b), shape_of(q), every)
+        return total
+
+    def choose(self, now: float, p_of: Callable[[Block], float],
+               shape_of: Callable[[int], tuple[float, float, float]], every: int = 1) -> bool:
+        """Each queue reads the shape ahead in :meth:`totals`; whether any choice changed."""
+        total = self.totals(now, p_of, shape_of, every)
         changed = False
         for q in self.queues:
             exp_now = total[q][1] > total[q][0]
