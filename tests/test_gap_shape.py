@@ -89,6 +89,7 @@ def test_the_choice_follows_the_gaps_shape(drawn):
 def test_the_idle_sample_step():
     """A power of two leaving ``sample`` to twice as many blocks of a full cache; 1 below twice the sample."""
     assert [idle_every(c, 64) for c in (1, 64, 127, 128, 255, 256, 4015, 64 * 1024)] == [1, 1, 1, 2, 2, 4, 32, 1024]
+    assert idle_every(4015) == 16  # the default: 251 of a full 4,015-block cache
     for c in (128, 1000, 4015, 99_999):
         assert 64 <= c / idle_every(c, 64) < 128
     with pytest.raises(ValueError, match="idle_sample"):
