@@ -1126,9 +1126,13 @@ class SAECachePolicy(EvictionPolicy):
     def check_invariants(self) -> None:
         """Every unpinned block is in exactly one place: live in its group's list, valid in its group's
         returned-heap, or parked (an inner node: a structural one with its stamp negated by a scan, any other one
-        unlisted since its release)."""
+        unlisted since its release). Under gap_select the idle blocks are the unpinned ones, idle since a release."""
         self._flush()
         blocks = self.cache.blocks
+        if self._shape is not None:
+            unpinned = {b for b in blocks.values() if not b.pins}
+            if set(self._shape.idle) != unpinned:
+                raise RuntimeError("saecache: gap_select's idle blocks are not the cache's unpinned blocks")
         placed: set[int] = set()
 
         def place(g: int, b: Block, where: str) -> None:
