@@ -293,6 +293,7 @@ def test_session_traces_agree_with_rebin(trace, capacity, window, ghosts, output
 # scores read the row of the last refit.
 EMPIRICAL = {"empirical_gaps": True}
 MIXTURE = {"gap_mixture": True}
+GAP_SELECT = {"gap_select": True}  # gap_shape.py (below)
 SHAPES = pytest.mark.parametrize("shape", [EMPIRICAL, MIXTURE], ids=["empirical_gaps", "gap_mixture"])
 
 
@@ -456,8 +457,8 @@ def test_timed_hand_over_both_ways_after_any_window(trace, capacity, window, sto
     hand_over(ref, moved, stops, contract_state, timed=True)
 
 
-@pytest.mark.parametrize("extra", [REBIN, EMPIRICAL, MIXTURE, {"gap_select": True}],
-                         ids=["rebin", "empirical_gaps", "gap_mixture", "gap_select"])
+@pytest.mark.parametrize("extra", [REBIN, EMPIRICAL, MIXTURE, GAP_SELECT, {**GAP_SELECT, "idle_sample": 2}],
+                         ids=["rebin", "empirical_gaps", "gap_mixture", "gap_select", "gap_select_sampled"])
 @settings(max_examples=30, deadline=None, report_multiple_bugs=False)
 @given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 6),
        stops=st.lists(st.integers(0, 8), min_size=1, max_size=3), options=switches)
@@ -474,9 +475,6 @@ def test_hand_over_both_ways_with_refit_state(extra, trace, capacity, window, st
 # gap_select (gap_shape.py): the kernel scores each hit and eviction into the likelihood sums, counts the idle blocks
 # at each refit by slot (the sums are integers: the order does not matter) and ranks by the exponential's density
 # where a queue chose it.
-GAP_SELECT = {"gap_select": True}
-
-
 @settings(max_examples=40, deadline=None, report_multiple_bugs=False)
 @given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 7),
        ghosts=st.sampled_from([None, 0, 2]), outputs=st.booleans(), timed=st.booleans(), options=switches,
