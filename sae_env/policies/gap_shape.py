@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from sae_env.block import Block
+from sae_env.policies.base import block_array
 
 __all__ = ["IDLE_SAMPLE", "LOGLIK_UNIT", "GapShapeChoice", "cure_loglik", "idle_every", "loglik_units"]
 
@@ -51,7 +52,7 @@ IDLE_SAMPLE = 128  # a refit counts 128 to 256 idle blocks of a full cache (a co
 
 LOGLIK_UNIT = 2.0 ** -20  # the sums' resolution: a millionth of a nat
 _PER_UNIT = 2.0 ** 20
-_TERM_BOUND = 1e6  # a term's magnitude is clamped here (nats; any real term is far inside it): int64 sums never wrap
+_TERM_BOUND = 1e6  # a term's magnitude is clamped here (nats; real terms are tens): 9 million such terms fit int64
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 _SQRT2 = math.sqrt(2.0)
 _P_EDGE = 1e-9  # p is kept inside (0, 1): log p and log(1 - p + ...) stay finite
@@ -146,7 +147,7 @@ class GapShapeChoice:
         return changed
 
     # -- the state contract (the policy's export_state / import_state) ----------------------------------------
-    def export_state(self, blocks: Any, index: dict[int, int], block_array: Callable[..., np.ndarray]) -> dict:
+    def export_state(self, blocks: Any, index: dict[int, int]) -> dict[str, Any]:
         return {"idle_since": block_array(blocks, index, self.idle.get, np.float64, default=math.nan),
                 "gap_loglik": np.array([self.loglik[q] for q in self.queues], dtype=np.int64),
                 "gap_exponential": np.array([self.exponential[q] for q in self.queues], dtype=np.int64),

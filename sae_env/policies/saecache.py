@@ -1064,7 +1064,7 @@ class SAECachePolicy(EvictionPolicy):
         if self.switches["position_decay"]:  # a structural block's relative offset (unused otherwise)
             out["offset"] = block_array(blocks, index, lambda b: b.pdata if b.queue == ST else None, np.float64)
         if self._shape is not None:  # gap_select: each idle block's release, the sums, the choices
-            out.update(self._shape.export_state(blocks, index, block_array))
+            out.update(self._shape.export_state(blocks, index))
         if self._empirical:  # the gaps the ranking's distributions were built from (each queue's first n)
             out["empirical_used"] = np.array(self._shapes.used, dtype=np.int64)
             out["mixture_prior"] = self._shapes.priors  # and the prior each was built with
