@@ -32,6 +32,12 @@ then fall: see _emp_density). ``gap_mixture`` rides on the same rows: a mixture'
 survival is tabulated like an empirical one (survival.MixtureGaps), and a queue for which BIC kept one log-normal gets a
 row marked -1, where the kernel scores by the log-normal's closed form, as for the default.
 
+Under ``gap_select`` (sae_env/policies/gap_shape.py) the kernel keeps what the Python policy's GapShapeChoice keeps:
+each idle block's release time (relt), the likelihood sums over the hits and evictions (gll, whole units, so that any
+order of adding them gives the policy's sums) and, per queue, whether it reads the exponential (gaps[q, 6]), which a
+score then takes (_exp_density); at each refit _choose_shapes adds the sampled idle blocks (a set kept as they are
+released, hit and evicted) and chooses.
+
 Victims. The Python policy keeps, per group (queue, type when typed, continuation bin, value bin under hit_value),
 its released leaves in a recency list and the blocks that became leaves later in returned-heaps, and scores three
 candidates per group: the list's head, the heaps' oldest top, and the group's newest block (its score rises, then
