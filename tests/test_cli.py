@@ -86,13 +86,10 @@ def test_replay_says_which_engine_timed_each_policy(tmp_path, capsys):
 def test_replay_policy_options_go_to_the_policies_that_take_them(tmp_path, capsys):
     """--policy-opt reaches the constructor of the listed policies that take it (the same hit rate as
     make_policy(..., continuation=False) replayed as replay runs it) and no other; the summary records it."""
-    import argparse
+    from replaying import replay_like_train, token_hit_rate
 
-    from agents.cli import AgentsExtension
-    from sae_env.cache import PrefixCache, resolve_capacity
-    from sae_env.metrics import summarize
+    from sae_env.cache import resolve_capacity
     from sae_env.policies import make_policy
-    from sae_env.replay import Replay
     from sae_env.sources import open_trace
 
     out = tmp_path / "r.json"
@@ -105,11 +102,7 @@ def test_replay_policy_options_go_to_the_policies_that_take_them(tmp_path, capsy
     capacity = resolve_capacity(0.05, trace.distinct_blocks())
 
     def rate(**options):
-        policy = make_policy("saecache", **options)
-        callbacks = AgentsExtension().replay_callbacks(argparse.Namespace(fixed=False), policy)
-        rep = Replay(trace, PrefixCache(capacity, policy), None, window_requests=200, callbacks=callbacks)
-        rep.run()
-        return summarize(rep.windows)["token_hit_rate"]
+        return token_hit_rate(replay_like_train(trace, capacity, make_policy("saecache", **options)))
 
     assert sae["token_hit_rate"] == rate(continuation=False) != rate()
 

@@ -20,6 +20,7 @@ from conftest import build_trace, flat_trace, prefix_traces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_cache import reference_replay_instant, reference_replay_timed
+from replaying import replay_like_train, token_hit_rate
 
 from sae_env import fast_engine
 from sae_env.cache import PrefixCache
@@ -423,15 +424,12 @@ def test_gap_select_probe():
     SAECache; on mooncake_synthetic's late half at 2 %, where SAECache is below LRU, it switches and lifts the cell
     above LRU (golden figures: 7.02 % against 5.74 % and LRU's 6.49 %; 7.01 % without the blocks idle in the cache in
     the likelihood, pending=false); a bad option is a ValueError."""
-    import argparse
     import importlib.util
     from pathlib import Path
 
     from scipy import stats
 
-    from agents.cli import AgentsExtension
     from sae_env.cache import resolve_capacity
-    from sae_env.metrics import summarize
     from sae_env.sources import open_trace
     from sae_env.trace import session_halves
 
@@ -449,11 +447,7 @@ def test_gap_select_probe():
     assert ex == pytest.approx(np.log(1 - p + p * stats.expon.sf(t, scale=mean)), rel=1e-12)
 
     def cell(trace, fraction, policy):
-        cb = AgentsExtension().replay_callbacks(argparse.Namespace(fixed=False), policy)
-        rep = Replay(trace, PrefixCache(resolve_capacity(fraction, trace.distinct_blocks()), policy), None,
-                     window_requests=200, callbacks=cb)
-        rep.run()
-        return summarize(rep.windows)["token_hit_rate"]
+        return token_hit_rate(replay_like_train(trace, resolve_capacity(fraction, trace.distinct_blocks()), policy))
 
     late = session_halves(open_trace("mooncake_synthetic")[0], "start")[1]
     default, off, on = make_policy("saecache"), probe.GapSelect(select=False), probe.GapSelect()
@@ -486,18 +480,12 @@ def test_gap_table_variants(tmp_path):
                           "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     (row,) = json.loads(out.read_text())
-    import argparse
 
-    from agents.cli import AgentsExtension
-    from sae_env.metrics import summarize
     from sae_env.sources import open_trace
 
     trace, _ = open_trace("wildchat")
-    policy = make_policy("saecache", continuation=False)
-    callbacks = AgentsExtension().replay_callbacks(argparse.Namespace(fixed=False), policy)
-    rep = Replay(trace, PrefixCache(row["capacity_blocks"], policy), None, window_requests=200, callbacks=callbacks)
-    rep.run()
-    assert row["token_hit_rate"]["no-cont"] == summarize(rep.windows)["token_hit_rate"]
+    rep = replay_like_train(trace, row["capacity_blocks"], make_policy("saecache", continuation=False))
+    assert row["token_hit_rate"]["no-cont"] == token_hit_rate(rep)
     assert row["token_hit_rate"]["no-cont"] != row["token_hit_rate"]["saecache"]
     assert "no-cont minus max(LRU, LPC)" in run.stdout and "(no-cont / lpc)" in run.stdout
     for bad in (["--variant", "no-cont"], ["--variant", "lpc:censoring=false"], ["--variant", "a:bogus=1"],

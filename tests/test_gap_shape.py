@@ -5,23 +5,20 @@ test_fast_saecache.py."""
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from replaying import replay_like_train, token_hit_rate
 from scipy import stats
 
-from agents.cli import AgentsExtension
 from sae_env.block import Block
-from sae_env.cache import PrefixCache, resolve_capacity
-from sae_env.metrics import summarize
+from sae_env.cache import resolve_capacity
 from sae_env.policies import make_policy
 from sae_env.policies.arrivals import AG, CH, ST
 from sae_env.policies.gap_shape import LOGLIK_UNIT, GapShapeChoice, cure_loglik, idle_every, loglik_units
-from sae_env.replay import Replay
 from sae_env.sources import open_trace
 from sae_env.trace import session_halves
 
@@ -124,12 +121,9 @@ def test_gap_select_needs_the_log_normal_density(bad):
         make_policy("saecache", gap_select="yes")
 
 
-def _cell(trace, fraction, policy, engine="auto"):
-    cb = AgentsExtension().replay_callbacks(argparse.Namespace(fixed=False), policy)
-    rep = Replay(trace, PrefixCache(resolve_capacity(fraction, trace.distinct_blocks()), policy), None,
-                 window_requests=200, callbacks=cb, engine=engine)
-    rep.run()
-    return summarize(rep.windows)["token_hit_rate"], rep
+def _cell(trace, fraction, policy):
+    rep = replay_like_train(trace, resolve_capacity(fraction, trace.distinct_blocks()), policy)
+    return token_hit_rate(rep), rep
 
 
 def test_gap_select_on_the_real_traces():
@@ -165,8 +159,4 @@ def test_gap_select_never_reads_the_future():
 
 
 def _replay(trace, capacity):
-    policy = make_policy("saecache", gap_select=True)
-    cb = AgentsExtension().replay_callbacks(argparse.Namespace(fixed=False), policy)
-    rep = Replay(trace, PrefixCache(capacity, policy), None, window_requests=200, callbacks=cb)
-    rep.run()
-    return rep
+    return replay_like_train(trace, capacity, make_policy("saecache", gap_select=True))
