@@ -39,8 +39,8 @@ from typing import Any
 
 from sae_env.block import Block
 from sae_env.policies import gap_shape
-from sae_env.policies.arrivals import AG, CH, ST, slot_p
-from sae_env.policies.saecache import GROUP_SLOT, VALUE_STRIDE, SAECachePolicy
+from sae_env.policies.arrivals import AG, CH, ST
+from sae_env.policies.saecache import SAECachePolicy
 from sae_env.policies.survival import ExponentialGaps, LognormalGaps
 
 QUEUES = (CH, AG, ST)
@@ -80,9 +80,7 @@ class GapSelect(SAECachePolicy):
         q = b.queue
         if q not in self.loglik or not t > 0:
             return
-        p = self.arrivals.p_structural if q == ST else slot_p(self._group(b) % VALUE_STRIDE // GROUP_SLOT)
-        p = min(max(p, 1e-9), 1.0 - 1e-9)
-        ln, ex = cure_loglik(event, t, p, *self._ln[q])
+        ln, ex = cure_loglik(event, t, self._p_of(b), *self._ln[q])  # (cure_loglik keeps p inside (0, 1))
         ll = (self.loglik if into is None else into)[q]
         ll[0] += ln
         ll[1] += ex

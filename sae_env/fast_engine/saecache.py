@@ -34,9 +34,9 @@ row marked -1, where the kernel scores by the log-normal's closed form, as for t
 
 Under ``gap_select`` (sae_env/policies/gap_shape.py) the kernel keeps what the Python policy's GapShapeChoice keeps:
 each idle block's release time (relt), the likelihood sums over the hits and evictions (gll, whole units, so that any
-order of adding them gives the policy's sums) and, per queue, whether it reads the exponential (gaps[q, 6]), which a
-score then takes (_exp_density); at each refit _choose_shapes adds the sampled idle blocks (a set kept as they are
-released, hit and evicted) and chooses.
+order of adding them gives the policy's sums) and, per queue, whether it reads the exponential (gaps[q, GAP_EXP]),
+which a score then takes (_exp_density); at each refit _choose_shapes adds the sampled idle blocks (a set kept as they
+are released, hit and evicted) and chooses.
 
 Victims. The Python policy keeps, per group (queue, type when typed, continuation bin, value bin under hit_value),
 its released leaves in a recency list and the blocks that became leaves later in returned-heaps, and scores three
@@ -155,6 +155,7 @@ CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, EXP_MEAN_CH, CAPACITY, GA
 N_ST = 16  # structural groups are queue-type codes 8 .. 15 (they carry no continuation bin)
 REFIT, STRUCTURAL, REBIN_AT = 1, 2, 4  # request flags (REBIN_AT: the refit there rebins, set by Twin.prepare)
 _SHAPED = [CH, AG, ST]  # gap_select's queues, in GapShapeChoice.queues' order
+GAP_SIGMA, GAP_EXP = 4, 5  # SAEState.gaps' columns after LognormalGaps.constants
 
 
 def _shaped(switches: dict[str, bool]) -> bool:
@@ -196,8 +197,8 @@ class SAEState(NamedTuple):
     gl: np.ndarray  # int64 [G_STAMP | G_EPOCH | G_CSTAMP + 0 .. 2, group]
     gf: np.ndarray  # float64 [G_SCORE | G_NOW | G_LB | G_UNTIL | G_CLB + 0 .. 2 | G_CUNTIL + 0 .. 2, group]
     slotp: np.ndarray  # float64 per bin: the continuation probability it stands for
-    # float64 [queue, (mu, sigma sqrt 2, mean, mu + sigma^2, sigma, mean as SAECachePolicy._exp_mean, 1.0 where the
-    # queue reads the exponential of that mean: gap_select)]
+    # float64 [queue, (mu, sigma sqrt 2, mean, mu + sigma^2: LognormalGaps.constants; GAP_SIGMA: sigma; GAP_EXP: 1.0
+    # where the queue reads the exponential of that mean, gap_select)]; the mean is SAECachePolicy._exp_mean to the bit
     gaps: np.ndarray
     coef: np.ndarray  # float64 per value bin and queue-type code (bin * GROUP_SLOT + code): alpha_q * w_type * value
     vbin: np.ndarray  # int32 per depth: the value bin of a block there (hit_value; [0] when off)
@@ -560,8 +561,8 @@ def _score(ps, recf, g, s, now, until):
             f, lb = _emp_density(ps.emp, r, p, dt, horizon, dt_b)
             return ps.coef[code] * f, ps.coef[code] * lb
     gp = ps.gaps
-    if gp[q, 6] != 0.0:  # gap_select chose the exponential
-        f, lb = _exp_density_and_bound(gp[q, 5], p, dt, horizon, dt_b)
+    if gp[q, GAP_EXP] != 0.0:  # gap_select chose the exponential (of the log-normal's mean)
+        f, lb = _exp_density_and_bound(gp[q, 2], p, dt, horizon, dt_b)
     else:
         f, lb = density_and_bound(gp[q, 0], gp[q, 1], gp[q, 2], gp[q, 3], p, dt, horizon, dt_b)
     return ps.coef[code] * f, ps.coef[code] * lb
@@ -881,7 +882,7 @@ def _shape_add(ps, rec, s, event, t, sums, pst, memo):
     ev = 1.0 if event else 0.0
     if not (memo[M_T] == t and memo[M_P] == p and memo[M_Q] == q and memo[M_EVENT] == ev):
         gp = ps.gaps
-        ln, ex = _cure(event, t, p, gp[q, 0], gp[q, 4], gp[q, 5])
+        ln, ex = _cure(event, t, p, gp[q, 0], gp[q, GAP_SIGMA], gp[q, 2])
         memo[M_Q], memo[M_EVENT], memo[M_T], memo[M_P] = q, ev, t, p
         memo[M_LN], memo[M_EX] = _units(ln), _units(ex)  # (whole units below 2**53: exact as floats)
     sums[q, 0] += np.int64(memo[M_LN])
@@ -926,8 +927,8 @@ def _ended(ps, rec, s, now, event, memo):
 @jit
 def _choose_shapes(ps, rec, now, pst):
     """GapShapeChoice.choose at a refit: the idle blocks of the sample (release stamp a multiple of IDLE_EVERY)
-    counted censored at ``now``, IDLE_EVERY times each (the sums are integers: the order does not matter); whether a
-    queue's shape changed (gaps[q, 6])."""
+    counted censored at ``now``, IDLE_EVERY times each (the sums are integers: the order does not matter); each
+    queue's choice in gaps[q, GAP_EXP] (the caller recomputes the ranking's constants whatever it chose)."""
     total = np.zeros_like(ps.gll)
     relt, sidx = ps.relt, ps.sidx
     memo = ps.shm[M_IDLE]
@@ -936,14 +937,11 @@ def _choose_shapes(ps, rec, now, pst):
         _shape_add(ps, rec, s, False, now - relt[s], total, pst, memo)
     total *= ps.si[IDLE_EVERY]
     total += ps.gll
-    changed = False
     for q in (CH, AG, ST):
         e = 1.0 if total[q, 1] > total[q, 0] else 0.0
-        if e != ps.gaps[q, 6]:
-            ps.gaps[q, 6] = e
+        if e != ps.gaps[q, GAP_EXP]:
+            ps.gaps[q, GAP_EXP] = e
             ps.si[SHAPE_SWITCHES] += 1
-            changed = True
-    return changed
 
 
 # -- hooks -------------------------------------------------------------------------------------------------------
@@ -1222,7 +1220,7 @@ class SAECacheTwin(Twin):
         self.state = SAEState(
             req=req, n_prompt=np.asarray(arrivals.n_prompt_of, dtype=np.int32), req_pst=np.zeros(m), gi=gi, gl=gl,
             gf=np.zeros((G_CUNTIL + 3, groups)),
-            slotp=np.array([slot_p(k) for k in range(N_SLOTS + 1)]), gaps=np.zeros((N_QUEUES, 7)),
+            slotp=np.array([slot_p(k) for k in range(N_SLOTS + 1)]), gaps=np.zeros((N_QUEUES, GAP_EXP + 1)),
             coef=np.zeros(groups // N_GROUPS * GROUP_SLOT), vbin=vbin, root=np.full(1, -1, dtype=np.int64), qn=qn,
             offset=np.zeros(core.rec.shape[0] if sampled else 1),
             hslot=np.zeros((N_ST, 2 * policy.sample), dtype=np.int32),
@@ -1241,7 +1239,7 @@ class SAECacheTwin(Twin):
             self.state.sidx[:kept.size], self.state.spos[kept] = kept, np.arange(kept.size)
             si[N_SAMPLED] = kept.size
             self.state.gll[_SHAPED] = state["gap_loglik"]
-            self.state.gaps[_SHAPED, 6] = state["gap_exponential"]
+            self.state.gaps[_SHAPED, GAP_EXP] = state["gap_exponential"]
         si[RB_MARK] = 1
         si[RB_FEAT] = sw["rebin"] and arrivals.model.features
         if sw["rebin"]:  # as SAECachePolicy.import_state: releasing requests before any completion are forgotten
@@ -1278,9 +1276,9 @@ class SAECacheTwin(Twin):
         params, sw = policy.params, policy.switches
         gaps = gap_models(params, sw["lognormal"])
         self.arrivals.gaps = (gaps[CH], gaps[AG])
-        for q, g in gaps.items():  # (gaps[q, 6], gap_select's choice, stays: SAECachePolicy._read_shapes)
+        for q, g in gaps.items():  # (gaps[q, GAP_EXP], gap_select's choice, stays: SAECachePolicy._read_shapes)
             ps.gaps[q, :4] = g.constants()
-            ps.gaps[q, 4], ps.gaps[q, 5] = g.sigma, math.exp(g.mu + g.sigma * g.sigma / 2)
+            ps.gaps[q, GAP_SIGMA] = g.sigma
         ps.shm[:] = math.nan  # gap_select's memo: its terms were of the old parameters
         mu, sigma = params["mu_chat"], params["sigma_chat"]
         ps.sf[EXP_MEAN_CH] = math.exp(mu + sigma * sigma / 2)
@@ -1472,7 +1470,8 @@ class SAECacheTwin(Twin):
                 **({"empirical_used": np.array(self._emp_now[1], dtype=np.int64), "mixture_prior": self._emp_now[2]}
                    if _shaped(self.policy.switches) else {}),
                 **({"idle_since": ps.relt[:n].copy(), "gap_loglik": ps.gll[_SHAPED].copy(),
-                    "gap_exponential": ps.gaps[_SHAPED, 6].astype(np.int64), "gap_switches": int(si[SHAPE_SWITCHES])}
+                    "gap_exponential": ps.gaps[_SHAPED, GAP_EXP].astype(np.int64),
+                    "gap_switches": int(si[SHAPE_SWITCHES])}
                    if si[SELECT] else {})}
 
     def _rebin_state(self, n: int) -> dict[str, np.ndarray]:
@@ -1504,7 +1503,7 @@ class SAECacheTwin(Twin):
         if self.compiled is not None:
             self.compiled.stats_to_python()
         return window_stats(self.arrivals, ps.qn[Q_HITS].tolist(), ps.qn[Q_OCC].tolist(), self.policy.params, horizon,
-                            ps.gaps[_SHAPED, 6].astype(np.int64).tolist() if ps.si[SELECT] else None)
+                            ps.gaps[_SHAPED, GAP_EXP].astype(np.int64).tolist() if ps.si[SELECT] else None)
 
     def occupancy_by_queue(self, n: int) -> dict[int, int]:
         return {q: k for q, k in enumerate(self.state.qn[Q_OCC].tolist()) if k}
