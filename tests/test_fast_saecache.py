@@ -12,6 +12,7 @@ run fall back to the Python engine with the reason.
 from __future__ import annotations
 
 import contextlib
+import math
 from contextlib import contextmanager
 from unittest.mock import patch
 
@@ -457,8 +458,10 @@ def test_timed_hand_over_both_ways_after_any_window(trace, capacity, window, sto
     hand_over(ref, moved, stops, contract_state, timed=True)
 
 
-@pytest.mark.parametrize("extra", [REBIN, EMPIRICAL, MIXTURE, GAP_SELECT, {**GAP_SELECT, "idle_sample": 2}],
-                         ids=["rebin", "empirical_gaps", "gap_mixture", "gap_select", "gap_select_sampled"])
+@pytest.mark.parametrize("extra", [REBIN, EMPIRICAL, MIXTURE, GAP_SELECT, {**GAP_SELECT, "idle_sample": 2},
+                                   {**GAP_SELECT, "census": 1.0}],
+                         ids=["rebin", "empirical_gaps", "gap_mixture", "gap_select", "gap_select_sampled",
+                              "gap_select_census"])
 @settings(max_examples=30, deadline=None, report_multiple_bugs=False)
 @given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 6),
        stops=st.lists(st.integers(0, 8), min_size=1, max_size=3), options=switches)
@@ -478,15 +481,17 @@ def test_hand_over_both_ways_with_refit_state(extra, trace, capacity, window, st
 @settings(max_examples=40, deadline=None, report_multiple_bugs=False)
 @given(trace=session_traces(max_requests=40), capacity=st.integers(1, 25), window=st.integers(1, 7),
        ghosts=st.sampled_from([None, 0, 2]), outputs=st.booleans(), timed=st.booleans(), options=switches,
-       rebin=st.booleans(), sample=st.sampled_from([1, 2, 64]))
+       rebin=st.booleans(), sample=st.sampled_from([1, 2, 64]), census=st.sampled_from([math.inf, 0.5, 2.0]))
 def test_session_traces_agree_with_gap_select(trace, capacity, window, ghosts, outputs, timed, options, rebin,
-                                              sample):
+                                              sample, census):
     """A refit every 3 arrivals, so that these short traces choose many times (the window statistics carry each
     queue's choice), instant and timed, with rebin or without, every idle block counted or a sample of them
-    (idle_sample 1 and 2: every 2nd to 16th release stamp)."""
+    (idle_sample 1 and 2: every 2nd to 16th release stamp), the idle blocks counted at every choice or until the
+    cache has evicted half of or twice its capacity (census)."""
     with refit_every_3():
         py, fast = both(trace, capacity, {"preset": SERVER, "token_budget": 16} if timed else None,
-                        options={**_one_shape(options, GAP_SELECT), **(REBIN if rebin else {}), "idle_sample": sample},
+                        options={**_one_shape(options, GAP_SELECT), **(REBIN if rebin else {}), "idle_sample": sample,
+                                 "census": census},
                         window_requests=window, ghost_capacity=ghosts, cache_outputs=outputs)
     assert_same_windows(py, fast)
     assert contract_state(fast.to_python()) == contract_state(py.to_python())

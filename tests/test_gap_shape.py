@@ -18,7 +18,15 @@ from sae_env.block import Block
 from sae_env.cache import resolve_capacity
 from sae_env.policies import make_policy
 from sae_env.policies.arrivals import AG, CH, ST
-from sae_env.policies.gap_shape import LOGLIK_UNIT, GapShapeChoice, cure_loglik, idle_every, loglik_units
+from sae_env.policies.gap_shape import (
+    CENSUS,
+    LOGLIK_UNIT,
+    GapShapeChoice,
+    census_on,
+    cure_loglik,
+    idle_every,
+    loglik_units,
+)
 from sae_env.sources import open_trace
 from sae_env.trace import session_halves
 
@@ -112,6 +120,29 @@ def test_a_sample_of_idle_blocks_counts_every_times():
     assert shape.loglik[CH] == [0, 0]  # the idle blocks are counted, not kept
 
 
+def test_the_census_counts_the_idle_blocks_until_the_cache_has_turned_over():
+    """Every eviction counts towards the census's end, whatever the block (idle or not, of any queue); a choice
+    without the census reads the hits and evictions alone: here the idle blocks (long idle under a tight log-normal:
+    far in its tail, close to the exponential's mean) alone would choose the exponential."""
+    mu, sigma = 0.0, 0.3
+    mean = math.exp(mu + sigma * sigma / 2)
+    args = (lambda b: 0.9, lambda q: (mu, sigma, mean))
+    shape = GapShapeChoice((CH, AG, ST))
+    idle = _blocks(CH, 50)
+    shape.released(idle, 0.0)
+    for b in _blocks(1, 3):  # the PE queue's blocks (queue 1), never idle here: evictions all the same
+        shape.ended(b, 1.0, False, *args)
+    assert shape.evicted == 3 and shape.loglik[CH] == [0, 0]
+    assert not shape.choose(5.0, *args, census=False)
+    assert shape.choose(5.0, *args)  # the census: 50 blocks idle five times the median
+    assert shape.exponential[CH]
+    assert [census_on(e, 10, CENSUS) for e in (0, 39, 40)] == [True, True, False]
+    assert census_on(10**12, 1, math.inf)
+    for bad in (0, -1.0, math.nan, "4", True):
+        with pytest.raises(ValueError, match="census"):
+            make_policy("saecache", gap_select=True, census=bad)
+
+
 @pytest.mark.parametrize("bad", [{"lognormal": False}, {"density": False}, {"empirical_gaps": True},
                                  {"gap_mixture": True}])
 def test_gap_select_needs_the_log_normal_density(bad):
@@ -128,13 +159,17 @@ def _cell(trace, fraction, policy):
 
 def test_gap_select_on_the_real_traces():
     """Golden figures (docs/saecache-real-traces.md). mooncake_synthetic's late half at 2 %, where the default is
-    below LRU: the chat queue chooses the exponential, and the cell rises above LRU (7.04 % against 5.74 % and LRU's
-    6.49 %); mooncake_arxiv at 10 %, whose tight gaps the log-normal describes: no switch, the default's figure."""
+    below LRU: the chat queue chooses the exponential, and the cell rises above LRU (7.01 % against 5.74 % and LRU's
+    6.49 %; 7.04 % with the idle blocks counted at every choice, census=inf: its choices part after the census ends,
+    at four turnovers); mooncake_arxiv at 10 %, whose tight gaps the log-normal describes: no switch, the default's
+    figure."""
     late = session_halves(open_trace("mooncake_synthetic")[0], "start")[1]
     selected, rep = _cell(late, 0.02, make_policy("saecache", gap_select=True))
     rep.to_python()
     assert rep.policy._shape.exponential[CH] and rep.policy._shape.switches_made > 0
-    assert round(100 * selected, 2) == 7.04
+    assert rep.policy._shape.evicted > CENSUS * rep.cache.capacity  # the census ended within the replay
+    assert round(100 * selected, 2) == 7.01
+    assert round(100 * _cell(late, 0.02, make_policy("saecache", gap_select=True, census=math.inf))[0], 2) == 7.04
     assert round(100 * _cell(late, 0.02, make_policy("saecache"))[0], 2) == 5.74
     assert round(100 * _cell(late, 0.02, make_policy("lru"))[0], 2) == 6.49
     arxiv = open_trace("mooncake_arxiv")[0]

@@ -102,7 +102,7 @@ from sae_env.policies.arrivals import (
     slot_p,
 )
 from sae_env.policies.continuation import P_CLIP
-from sae_env.policies.gap_shape import cure_loglik, idle_every, loglik_units
+from sae_env.policies.gap_shape import census_on, cure_loglik, idle_every, loglik_units
 from sae_env.policies.saecache import (
     GROUP_SLOT,
     VALUE_STRIDE,
@@ -140,18 +140,19 @@ BOUND_MARGIN = 1.0 - 1e-6
 # counted from 0 in each window, as Twin.prepare writes them), whether the model has features (continuation.features);
 # empirical_gaps: whether it is on, and the row of tables (emp) the scores read now (0 at a window's start, one more at
 # each refit); gap_select: whether it is on, the changes of shape it made so far, its idle blocks' sampling step (a
-# power of two), the idle blocks in its sample now.
+# power of two), the idle blocks in its sample now, the cache's evictions so far (GapShapeChoice.evicted).
 SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, N_SEEN, EPOCH, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, \
     MULTI, TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, LAST_G, VALUED, REBIN, COMPLETING, \
-    RB_MARK, RB_NEXT, RB_FEAT, EMP, EMP_ROW, SELECT, SHAPE_SWITCHES, IDLE_EVERY, N_SAMPLED = range(35)
+    RB_MARK, RB_NEXT, RB_FEAT, EMP, EMP_ROW, SELECT, SHAPE_SWITCHES, IDLE_EVERY, N_SAMPLED, SHAPE_EVICTED = range(36)
 NOT_RELEASED = -2  # rebin: a slot's releasing request when none (-1: released before any completion)
 # gap_mixture: a queue's row of tables where BIC kept the learners' log-normal (its survival row starts below 0: the
 # kernel scores that queue by the log-normal's closed form, as the Python policy does)
 _LOGNORMAL_ROWS = (np.full(EMPIRICAL_GRID.size, -1.0), np.zeros(EMPIRICAL_GRID.size))
 # Float scalars: the scan instant, the latest arrival, the horizon, the insertion rate, the window's start, the
 # structural continuation rate, min_dt, the chat queue's mean gap (the horizon before any estimate), the capacity,
-# the position decay's power gamma, the ranking clock's step as a fraction of the horizon (clock_step).
-CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, EXP_MEAN_CH, CAPACITY, GAMMA, CLOCK = range(11)
+# the position decay's power gamma, the ranking clock's step as a fraction of the horizon (clock_step), gap_select's
+# census (turnovers).
+CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, EXP_MEAN_CH, CAPACITY, GAMMA, CLOCK, CENSUS = range(12)
 N_ST = 16  # structural groups are queue-type codes 8 .. 15 (they carry no continuation bin)
 REFIT, STRUCTURAL, REBIN_AT = 1, 2, 4  # request flags (REBIN_AT: the refit there rebins, set by Twin.prepare)
 _SHAPED = [CH, AG, ST]  # gap_select's queues, in GapShapeChoice.queues' order
@@ -858,6 +859,7 @@ def _rebin_blocks(ps, rec, n, k):
 # -- gap_select ------------------------------------------------------------------------------------------------------
 _cure = inline(cure_loglik)
 _units = inline(loglik_units)
+_census_on = inline(census_on)
 
 
 # A memo row (shm): the last term computed, by (queue, whether an event, idle time, p), and its two units. The blocks
@@ -907,7 +909,8 @@ def _idle(ps, s, now, stamp):
     """GapShapeChoice.released: slot ``s`` is idle from ``now``, in the sample if its release ``stamp`` is."""
     ps.relt[s] = now
     _unsample(ps, s)
-    if stamp & (ps.si[IDLE_EVERY] - 1) == 0:
+    # (once the census is over no choice reads the sample: it is left to empty as its blocks are hit or evicted)
+    if stamp & (ps.si[IDLE_EVERY] - 1) == 0 and _census_on(ps.si[SHAPE_EVICTED], ps.sf[CAPACITY], ps.sf[CENSUS]):
         k = ps.si[N_SAMPLED]
         ps.sidx[k] = s
         ps.spos[s] = k
@@ -930,12 +933,13 @@ def _choose_shapes(ps, rec, now, pst):
     counted censored at ``now``, IDLE_EVERY times each (the sums are integers: the order does not matter); each
     queue's choice in gaps[q, GAP_EXP] (the caller recomputes the ranking's constants whatever it chose)."""
     total = np.zeros_like(ps.gll)
-    relt, sidx = ps.relt, ps.sidx
-    memo = ps.shm[M_IDLE]
-    for k in range(ps.si[N_SAMPLED]):
-        s = sidx[k]
-        _shape_add(ps, rec, s, False, now - relt[s], total, pst, memo)
-    total *= ps.si[IDLE_EVERY]
+    if _census_on(ps.si[SHAPE_EVICTED], ps.sf[CAPACITY], ps.sf[CENSUS]):
+        relt, sidx = ps.relt, ps.sidx
+        memo = ps.shm[M_IDLE]
+        for k in range(ps.si[N_SAMPLED]):
+            s = sidx[k]
+            _shape_add(ps, rec, s, False, now - relt[s], total, pst, memo)
+        total *= ps.si[IDLE_EVERY]
     total += ps.gll
     for q in (CH, AG, ST):
         e = 1.0 if total[q, 1] > total[q, 0] else 0.0
@@ -1094,6 +1098,7 @@ def _take(ps, c, v, now):
     rec = c.rec
     si = ps.si
     if si[SELECT]:  # (before rebin forgets its releasing request, which its bin needs)
+        si[SHAPE_EVICTED] += 1
         _ended(ps, rec, v, now, False, ps.shm[M_EVICT])
     q = rec[v, QUEUE]
     ps.qn[Q_OCC, q] -= 1
@@ -1187,10 +1192,11 @@ class SAECacheTwin(Twin):
         win_t0, has_t0 = _opt(state["window_t0"])
         cand_now, cand_ok = _opt(state["cand_now"])
         sampled = not sw["density"] or sw["position_decay"]  # as SAECachePolicy._st_sampled
-        si = np.zeros(35, dtype=np.int64)
+        si = np.zeros(36, dtype=np.int64)
         si[LAST_G], si[REBIN], si[COMPLETING], si[EMP] = -1, sw["rebin"], -1, _shaped(sw)
         select = sw["gap_select"]
         si[SELECT], si[SHAPE_SWITCHES] = select, state["gap_switches"] if select else 0
+        si[SHAPE_EVICTED] = state["gap_evicted"] if select else 0
         si[IDLE_EVERY] = idle_every(self.capacity, policy.idle_sample)
         si[[SEQ, NEXT_UP, NEXT_STAMP, DEFERRED, STALE, CAND_OK, WIN_INS, HAS_T0, HAS_RATE, HAS_HOR, MULTI,
             TYPED, PQ, OQ, SLOT, NPROMPT, OREASON, DENS, SAMPLED, DECAY, VALUED]] = [
@@ -1198,10 +1204,10 @@ class SAECacheTwin(Twin):
             state["window_inserted"], has_t0, has_rate, has_hor, sw["multi_queue"], sw["type_weights"],
             state["prompt_queue"], state["output_queue"], state["slot"], state["n_prompt"],
             state["output_reasoning"], sw["density"], sampled, sw["position_decay"], sw["hit_value"]]
-        sf = np.zeros(11)
-        sf[[CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, CAPACITY, CLOCK]] = [
+        sf = np.zeros(12)
+        sf[[CAND_NOW, NOW, HORIZON, INS_RATE, WIN_T0, PST, MIN_DT, CAPACITY, CLOCK, CENSUS]] = [
             cand_now, state["now"], horizon, ins_rate, win_t0, arrivals.p_structural, policy.min_dt,
-            float(self.capacity), policy.clock_step]
+            float(self.capacity), policy.clock_step, policy.census]
         req = np.zeros((5, m), dtype=np.int8)
         req[R_REASON] = arrivals.reasoning_of
         live = state["inflight"]
@@ -1471,7 +1477,7 @@ class SAECacheTwin(Twin):
                    if _shaped(self.policy.switches) else {}),
                 **({"idle_since": ps.relt[:n].copy(), "gap_loglik": ps.gll[_SHAPED].copy(),
                     "gap_exponential": ps.gaps[_SHAPED, GAP_EXP].astype(np.int64),
-                    "gap_switches": int(si[SHAPE_SWITCHES])}
+                    "gap_switches": int(si[SHAPE_SWITCHES]), "gap_evicted": int(si[SHAPE_EVICTED])}
                    if si[SELECT] else {})}
 
     def _rebin_state(self, n: int) -> dict[str, np.ndarray]:

@@ -90,7 +90,8 @@ within noise); ``rebin_every`` (1): under ``rebin``, the blocks move at every ``
 moved since the last rebinning, ``beta`` refitted or a turn's rate by more than this in logit (0: at any move, the
 decisions of rebinning at every refit);
 ``idle_sample`` (``IDLE_SAMPLE``): under ``gap_select``, the idle blocks a refit counts, at least (twice as many at
-most: gap_shape.idle_every);
+most: gap_shape.idle_every), and ``census`` (``CENSUS``, 4): until the cache has evicted this many times its
+capacity (then only its hits and evictions count; ``inf``: at every choice, gap_shape.census_on);
 ``clock_step`` (1/128; 0 under the paper's ranking), the step of the clock the ranking reads, as a fraction of the
 turnover horizon (``CLOCK_STEP``: the evictions of every arrival within one step share one scan's
 scores; 0: the exact clock).
@@ -133,7 +134,7 @@ from sae_env.policies.arrivals import (
     slot_p,
 )
 from sae_env.policies.base import EvictionPolicy, ParamSpec, block_array
-from sae_env.policies.gap_shape import IDLE_SAMPLE, GapShapeChoice, idle_every
+from sae_env.policies.gap_shape import CENSUS, IDLE_SAMPLE, GapShapeChoice, census_on, idle_every
 from sae_env.policies.survival import (
     EmpiricalGaps,
     ExponentialGaps,
@@ -253,7 +254,7 @@ class SAECachePolicy(EvictionPolicy):
                  continue_threshold: float = 0.5,
                  sample: int = 8, min_dt: float = 1e-3, refit_steps: int = 2, refit_growth: float = 0.5,
                  value_context: float | None = None, clock_step: float = CLOCK_STEP, rebin_every: int = 1,
-                 rebin_move: float = REBIN_MOVE, idle_sample: int = IDLE_SAMPLE,
+                 rebin_move: float = REBIN_MOVE, idle_sample: int = IDLE_SAMPLE, census: float = CENSUS,
                  params: dict[str, float] | None = None) -> None:
         super().__init__()
         if sample < 1:
@@ -304,6 +305,10 @@ class SAECachePolicy(EvictionPolicy):
         if isinstance(idle_sample, bool) or not isinstance(idle_sample, (int, np.integer)) or idle_sample < 1:
             raise ValueError(f"saecache: idle_sample must be a whole number of blocks >= 1, got {idle_sample!r}")
         self.idle_sample = int(idle_sample)  # gap_select: idle blocks a refit counts, at least (a cost knob)
+        if isinstance(census, bool) or not isinstance(census, (int, float)) or not census > 0:  # NaN fails too
+            raise ValueError(f"saecache: census must be a number of turnovers > 0 (inf: at every choice), got "
+                             f"{census!r}")
+        self.census = float(census)  # gap_select: idle blocks counted until the cache evicted this many caches
         # rebin: the request that last released each cached chat or agent block, and each such request's bin as the
         # continuation model saw it at the last rebinning (see _rebin_blocks)
         self._released_by: dict[Block, int] = {}
@@ -933,8 +938,10 @@ class SAECachePolicy(EvictionPolicy):
             self._rebin_blocks()
         if self._empirical:
             self._empirical_gaps()
-        if self._shape is not None and self._shape.choose(now, self._p_of, self._shape_of,
-                                                          idle_every(self.cache.capacity, self.idle_sample)):
+        shape = self._shape
+        if shape is not None and shape.choose(now, self._p_of, self._shape_of,
+                                              idle_every(self.cache.capacity, self.idle_sample),
+                                              census_on(shape.evicted, self.cache.capacity, self.census)):
             self._read_shapes()
         self._changed()
 
