@@ -306,8 +306,8 @@ class SAECachePolicy(EvictionPolicy):
             raise ValueError(f"saecache: idle_sample must be a whole number of blocks >= 1, got {idle_sample!r}")
         self.idle_sample = int(idle_sample)  # gap_select: idle blocks a refit counts, at least (a cost knob)
         if isinstance(census, bool) or not isinstance(census, (int, float)) or not census > 0:  # NaN fails too
-            raise ValueError(f"saecache: census must be a number of turnovers > 0 (inf: at every choice), got "
-                             f"{census!r}")
+            raise ValueError(f"saecache: census must be a number of turnovers > 0 (infinite, .inf on a command line: "
+                             f"at every choice), got {census!r}")
         self.census = float(census)  # gap_select: idle blocks counted until the cache evicted this many caches
         # rebin: the request that last released each cached chat or agent block, and each such request's bin as the
         # continuation model saw it at the last rebinning (see _rebin_blocks)
