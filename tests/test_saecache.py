@@ -1228,16 +1228,17 @@ def test_empirical_gaps_keep_the_invariants(shape, trace, capacity, switches, pr
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=session_traces(max_requests=40), capacity=st.integers(1, 30), switches=switch_sets,
-       predictor=predictors, timed=st.booleans(), sample=st.sampled_from([1, 2, 128]))
-def test_gap_select_keeps_the_invariants(trace, capacity, switches, predictor, timed, sample):
-    """gap_select, choosing every third arrival (REFIT_EVERY patched) under random switches: check=True after every
-    request (the idle blocks it counts are the cache's unpinned ones) and the audit at every eviction, strict in
-    instant mode: the exponential's density falls with idle time, so a group's oldest block holds its least, and the
-    log-normal's rises then falls, as before."""
+       predictor=predictors, timed=st.booleans(), sample=st.sampled_from([1, 2, 128]),
+       census=st.sampled_from([math.inf, 4.0, 0.5]))
+def test_gap_select_keeps_the_invariants(trace, capacity, switches, predictor, timed, sample, census):
+    """gap_select, choosing every third arrival (REFIT_EVERY patched) under random switches, its census over or not:
+    check=True after every request (the idle blocks it counts are the cache's unpinned ones) and the audit at every
+    eviction, strict in instant mode: the exponential's density falls with idle time, so a group's oldest block holds
+    its least, and the log-normal's rises then falls, as before."""
     from sae_env.policies import arrivals
 
     opts = {**options(switches, predictor, 8), "density": True, "lognormal": True, "gap_select": True,
-            "idle_sample": sample}
+            "idle_sample": sample, "census": census}
     with patch.object(arrivals, "REFIT_EVERY", 3):
         r, _ = run(trace, capacity, timed=timed, strict_temporal=not timed, **opts)
     assert sum(w.requests for w in r.windows) == len(trace)
