@@ -10,7 +10,9 @@ trace, each in a new process.
     python benchmarks/decision_time.py --traces mooncake_arxiv,mooncake_synthetic --repeat 1,4,16 --runs 3
 
 Prints one row per trace: the ratio (policy over against, each run's own pair) as median and range over the runs,
-and each policy's median us per request; the last line is ``ratio_max=...``, the largest median. These machines are
+each policy's median us per request, and of the timed policy's the median part the compiled engine spent in its
+per-window work ahead of the loop (``prepare_us_per_request``: SAECache's arrivals and continuation model; ``-`` on the
+Python engine); the last line is ``ratio_max=...``, the largest median. These machines are
 noisy: a run's ratio moves by 5-10 % from run to run, hence several runs and the median. One unreported run comes
 first (``--warmup``): after an install or an edit of the package, the first process compiles the kernels that the
 others load.
@@ -34,6 +36,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -72,8 +75,14 @@ def _replay_args(trace: str, policy: str, against: str, capacity: str, out: Path
 
 
 def _figures(out: Path) -> dict[str, float]:
-    """Each policy's ``decision_us_per_request`` from a run's ``--json``."""
-    return {r["policy"]: float(r["decision_us_per_request"]) for r in json.loads(out.read_text())}
+    """Each policy's ``decision_us_per_request`` from a run's ``--json``, and under ``POLICY prepare`` the part of it
+    spent ahead of the compiled loop (``prepare_us_per_request``; NaN where the Python engine ran it)."""
+    out_ = {}
+    for r in json.loads(out.read_text()):
+        out_[r["policy"]] = float(r["decision_us_per_request"])
+        prepare = r.get("prepare_us_per_request")
+        out_[f"{r['policy']} prepare"] = math.nan if prepare is None else float(prepare)
+    return out_
 
 
 def _fail(said: str, code: int) -> NoReturn:
@@ -243,8 +252,8 @@ def _measure(args: argparse.Namespace, traces: list[str], repeats: list[int], ex
           f"{args.against}")
     least = " | least / least" if args.warm else ""
     print(f"| trace | {args.policy} / {args.against}: median (range) | {args.policy} us/request | "
-          f"{args.against} us/request{least} |")
-    print("|---|---|---|---|" + ("---|" if args.warm else ""))
+          f"{args.against} us/request{least} | {args.policy} ahead of the loop, us/request |")
+    print("|---|---|---|---|" + ("---|" if args.warm else "") + "---|")
     medians = []
     for trace, runs in results.items():
         ratios = [r[args.policy] / r[args.against] for r in runs]
@@ -252,9 +261,11 @@ def _measure(args: argparse.Namespace, traces: list[str], repeats: list[int], ex
         medians.append(m)
         tail = (f" | {min(r[args.policy] for r in runs) / min(r[args.against] for r in runs):.2f}x" if args.warm
                 else "")
+        ahead = statistics.median(r[f"{args.policy} prepare"] for r in runs)
         print(f"| {trace} | {m:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
               f"{statistics.median(r[args.policy] for r in runs):.2f} | "
-              f"{statistics.median(r[args.against] for r in runs):.2f}{tail} |")
+              f"{statistics.median(r[args.against] for r in runs):.2f}{tail} | "
+              f"{'-' if math.isnan(ahead) else f'{ahead:.2f}'} |")
     if args.json:
         write_json(args.json, {"policy": args.policy, "against": args.against, "capacity": args.capacity,
                                "policy_opt": args.policy_opt, "opt": args.opt, "warmup": args.warmup, "warm": args.warm,

@@ -321,6 +321,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
             summary["adaptive"] = bool(callbacks)
             summary["params"] = policy.params
             summary["decision_us_per_request"] = 1e6 * rep.wall_s / max(len(trace), 1)  # wall clock, not a metric
+            prepare = rep.prepare_s  # of it: the policy's per-window work ahead of the compiled loop
+            summary["prepare_us_per_request"] = None if prepare is None else 1e6 * prepare / max(len(trace), 1)
             summary["method"] = "replay"
             summary["policy_options"] = _given_options(args, name)
             summary["engine"] = rep.engine  # decision_us_per_request is this engine's

@@ -112,6 +112,13 @@ class Replay:
 
     # -- engines -------------------------------------------------------------------------------------------
     @property
+    def prepare_s(self) -> float | None:
+        """The part of :attr:`wall_s` the compiled engine spent in its policy's per-window work ahead of the
+        compiled loop (the twin's ``prepare``: SAECache's arrivals and continuation model); None where the compiled
+        engine never ran (the Python engine does that work inside each request)."""
+        return self._engine.prepare_s if self._engine is not None else None
+
+    @property
     def engine(self) -> str:
         """The engine that replays the next window: ``"fast"`` (compiled) or ``"python"``."""
         return "fast" if self._fast is not None else "python"

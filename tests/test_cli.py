@@ -81,6 +81,23 @@ def test_replay_says_which_engine_timed_each_policy(tmp_path, capsys):
         assert "lru ran on the Python engine" not in said
     else:
         assert lru["engine"] == "python" and "ran on the Python engine" not in said
+    assert sae["prepare_us_per_request"] is None  # the Python engine does that work inside each request
+
+
+def test_replay_gives_the_part_of_the_decision_time_spent_ahead_of_the_loop(tmp_path):
+    """prepare_us_per_request: the compiled engine's time in a policy's per-window work ahead of its loop, a part of
+    decision_us_per_request; SAECache's arrivals and continuation model have some, LRU none."""
+    from sae_env.fast_engine import AVAILABLE
+
+    if not AVAILABLE:
+        pytest.skip("needs the compiled engine (numba)")
+    out = tmp_path / "r.json"
+    assert main(["replay", "--trace", "mooncake_arxiv", "--policy", "lru,saecache", "--capacity", "0.1", "--json",
+                 str(out)]) == 0
+    lru, sae = json.loads(out.read_text())
+    assert lru["engine"] == sae["engine"] == "fast"
+    assert lru["prepare_us_per_request"] < 0.05 * lru["decision_us_per_request"]  # a call that does nothing
+    assert 0 < sae["prepare_us_per_request"] < sae["decision_us_per_request"]
 
 
 def test_replay_policy_options_go_to_the_policies_that_take_them(tmp_path, capsys):

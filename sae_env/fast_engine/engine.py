@@ -9,6 +9,7 @@ into the Python cache and policy, after which the Python engine goes on exactly 
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -101,6 +102,9 @@ class FastEngine:
         self._max_path = int(lens.max()) if lens.size else 0
         self.core: loop.Core | None = None
         self.sv = srv.new_server(server, trace, self.timed)
+        # wall-clock seconds of run_window spent in the twin's prepare (a policy's per-window work ahead of the
+        # compiled loop: SAECache's arrivals and continuation model), part of the replay's wall_s
+        self.prepare_s = 0.0
 
     @classmethod
     def build(cls, trace: Trace, cache: PrefixCache, server: Any = None) -> tuple[FastEngine | None, str | None]:
@@ -217,7 +221,9 @@ class FastEngine:
         core, sv = self.core, self.sv
         core.cnt[:] = 0
         self.twin.begin_window()
+        t0 = time.perf_counter()
         self.twin.prepare(a, b)
+        self.prepare_s += time.perf_counter() - t0
         if self.timed:
             sv.si[srv.NOUT] = 0
         run = kernel("run_window", type(self.twin.state), TIMED=self.timed)
