@@ -870,9 +870,9 @@ M_HIT, M_EVICT, M_IDLE = range(3)  # a row per caller
 
 
 @inline
-def _shape_add(ps, rec, s, event, t, sums, pst, memo):
-    """GapShapeChoice.add of slot ``s``'s idle time ``t`` into ``sums``, with the continuation probability its score
-    reads (SAECachePolicy._p_of; ``pst``: the structural one); ``memo``: a row of shm."""
+def _shape_add(ps, rec, s, event, t, sums, pst, memo, weight):
+    """GapShapeChoice.add of slot ``s``'s idle time ``t`` into ``sums``, ``weight`` times, with the continuation
+    probability its score reads (SAECachePolicy._p_of; ``pst``: the structural one); ``memo``: a row of shm."""
     q = rec[s, QUEUE]
     if not (q == CH or q == AG or q == ST) or not t > 0.0:
         return
@@ -887,8 +887,8 @@ def _shape_add(ps, rec, s, event, t, sums, pst, memo):
         ln, ex = _cure(event, t, p, gp[q, 0], gp[q, GAP_SIGMA], gp[q, 2])
         memo[M_Q], memo[M_EVENT], memo[M_T], memo[M_P] = q, ev, t, p
         memo[M_LN], memo[M_EX] = _units(ln), _units(ex)  # (whole units below 2**53: exact as floats)
-    sums[q, 0] += np.int64(memo[M_LN])
-    sums[q, 1] += np.int64(memo[M_EX])
+    sums[q, 0] += weight * np.int64(memo[M_LN])
+    sums[q, 1] += weight * np.int64(memo[M_EX])
 
 
 @inline
@@ -906,11 +906,15 @@ def _unsample(ps, s):
 
 @inline
 def _idle(ps, s, now, stamp):
-    """GapShapeChoice.released: slot ``s`` is idle from ``now``, in the sample if its release ``stamp`` is."""
-    ps.relt[s] = now
+    """GapShapeChoice.released: slot ``s`` is idle from ``now`` if its release ``stamp`` is in the sample (relt: NaN
+    where it is not)."""
     _unsample(ps, s)
-    # (once the census is over no choice reads the sample: it is left to empty as its blocks are hit or evicted)
-    if stamp & (ps.si[IDLE_EVERY] - 1) == 0 and _census_on(ps.si[SHAPE_EVICTED], ps.sf[CAPACITY], ps.sf[CENSUS]):
+    if stamp & (ps.si[IDLE_EVERY] - 1) != 0:
+        ps.relt[s] = math.nan
+        return
+    ps.relt[s] = now
+    # (once the census is over no choice reads the census's set: it is left to empty as its blocks are hit or evicted)
+    if _census_on(ps.si[SHAPE_EVICTED], ps.sf[CAPACITY], ps.sf[CENSUS]):
         k = ps.si[N_SAMPLED]
         ps.sidx[k] = s
         ps.spos[s] = k
@@ -919,12 +923,13 @@ def _idle(ps, s, now, stamp):
 
 @inline
 def _ended(ps, rec, s, now, event, memo):
-    """GapShapeChoice.ended: slot ``s``, idle since its release, is hit (``event``) or evicted at ``now``."""
+    """GapShapeChoice.ended: slot ``s``, idle since its release (in the sample), is hit (``event``) or evicted at
+    ``now``: its idle time counts IDLE_EVERY times."""
     t0 = ps.relt[s]
     if t0 == t0:
         ps.relt[s] = math.nan
         _unsample(ps, s)
-        _shape_add(ps, rec, s, event, now - t0, ps.gll, ps.sf[PST], memo)
+        _shape_add(ps, rec, s, event, now - t0, ps.gll, ps.sf[PST], memo, ps.si[IDLE_EVERY])
 
 
 @jit
@@ -938,7 +943,7 @@ def _choose_shapes(ps, rec, now, pst):
         memo = ps.shm[M_IDLE]
         for k in range(ps.si[N_SAMPLED]):
             s = sidx[k]
-            _shape_add(ps, rec, s, False, now - relt[s], total, pst, memo)
+            _shape_add(ps, rec, s, False, now - relt[s], total, pst, memo, 1)
         total *= ps.si[IDLE_EVERY]
     total += ps.gll
     for q in (CH, AG, ST):

@@ -129,19 +129,23 @@ class GapShapeChoice:
             s[0] += weight * loglik_units(ln)
             s[1] += weight * loglik_units(ex)
 
-    def released(self, blocks: list[Block], now: float) -> None:
+    def released(self, blocks: list[Block], now: float, every: int = 1) -> None:
+        """``blocks`` were released at ``now``: those in the sample (release stamp a multiple of ``every``) are idle
+        from here."""
         idle = self.idle
         for b in blocks:
-            idle[b] = now
+            if every == 1 or not abs(b.stamp) % every:
+                idle[b] = now
 
     def ended(self, b: Block, now: float, event: bool, p_of: Callable[[Block], float],
-              shape_of: Callable[[int], tuple[float, float, float]]) -> None:
-        """Block ``b`` idle since its release is hit (``event``) or evicted at ``now``."""
+              shape_of: Callable[[int], tuple[float, float, float]], every: int = 1) -> None:
+        """Block ``b`` is hit (``event``) or evicted at ``now``: if it is in the sample, idle since its release, its
+        idle time counts ``every`` times."""
         if not event:
             self.evicted += 1
         t0 = self.idle.pop(b, None)
         if t0 is not None and b.queue in self.loglik:
-            self.add(self.loglik, b.queue, event, now - t0, p_of(b), shape_of(b.queue))
+            self.add(self.loglik, b.queue, event, now - t0, p_of(b), shape_of(b.queue), every)
 
     def totals(self, now: float, p_of: Callable[[Block], float],
                shape_of: Callable[[int], tuple[float, float, float]], every: int = 1) -> dict[int, list[int]]:

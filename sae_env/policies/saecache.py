@@ -579,7 +579,7 @@ class SAECachePolicy(EvictionPolicy):
                 members.append(b)
         self._released = seq
         if self._shape is not None:
-            self._shape.released(blocks, now)
+            self._shape.released(blocks, now, self._sample_every())
         if self._rebin:
             by, i = self._released_by, self._completing
             for b in blocks:
@@ -633,8 +633,9 @@ class SAECachePolicy(EvictionPolicy):
         for b in blocks:
             qh[b.queue] += 1
         if self._shape is not None:
+            every = self._sample_every()
             for b in blocks:
-                self._shape.ended(b, now, True, self._p_of, self._shape_of)
+                self._shape.ended(b, now, True, self._p_of, self._shape_of, every)
 
     def _compact(self) -> None:
         """Drop the dead entries of every list and returned-heap; live ones keep their order, so no decision changes.
@@ -879,7 +880,7 @@ class SAECachePolicy(EvictionPolicy):
     def _take(self, victim: Block, stamp: int) -> Block:
         """Forget the victim (its list or heap entry is dead now) and note its parent as the likely next one."""
         if self._shape is not None:  # (before rebin forgets its releasing request, which its bin needs)
-            self._shape.ended(victim, self._evict_now, False, self._p_of, self._shape_of)
+            self._shape.ended(victim, self._evict_now, False, self._p_of, self._shape_of, self._sample_every())
         self._occupancy[victim.queue] -= 1
         victim.stamp = 0
         group = victim.pdata
@@ -939,8 +940,7 @@ class SAECachePolicy(EvictionPolicy):
         if self._empirical:
             self._empirical_gaps()
         shape = self._shape
-        if shape is not None and shape.choose(now, self._p_of, self._shape_of,
-                                              idle_every(self.cache.capacity, self.idle_sample),
+        if shape is not None and shape.choose(now, self._p_of, self._shape_of, self._sample_every(),
                                               census_on(shape.evicted, self.cache.capacity, self.census)):
             self._read_shapes()
         self._changed()
@@ -950,6 +950,11 @@ class SAECachePolicy(EvictionPolicy):
         parameters or the exponential of the same mean."""
         for q, exponential in self._shape.exponential.items():
             self._gaps[q] = ExponentialGaps(self._exp_mean[q]) if exponential else LognormalGaps(*self._ln[q])
+
+    def _sample_every(self) -> int:
+        """gap_select: its sampling step (gap_shape.idle_every): the blocks it follows from their release to their
+        hit or eviction are those whose release stamp is a multiple of it, each counted that many times."""
+        return idle_every(self.cache.capacity, self.idle_sample)
 
     def _p_of(self, b: Block) -> float:
         """gap_select: the continuation probability block ``b``'s score reads now (its group's bin; the shared
@@ -1137,9 +1142,11 @@ class SAECachePolicy(EvictionPolicy):
         self._flush()
         blocks = self.cache.blocks
         if self._shape is not None:
-            unpinned = {b for b in blocks.values() if not b.pins}
+            every = self._sample_every()
+            unpinned = {b for b in blocks.values() if not b.pins and not abs(b.stamp) % every}
             if set(self._shape.idle) != unpinned:
-                raise RuntimeError("saecache: gap_select's idle blocks are not the cache's unpinned blocks")
+                raise RuntimeError("saecache: gap_select's idle blocks are not the cache's unpinned blocks in its "
+                                   "sample")
         placed: set[int] = set()
 
         def place(g: int, b: Block, where: str) -> None:
