@@ -33,10 +33,11 @@ survival is tabulated like an empirical one (survival.MixtureGaps), and a queue 
 row marked -1, where the kernel scores by the log-normal's closed form, as for the default.
 
 Under ``gap_select`` (sae_env/policies/gap_shape.py) the kernel keeps what the Python policy's GapShapeChoice keeps:
-each idle block's release time (relt), the likelihood sums over the hits and evictions (gll, whole units, so that any
-order of adding them gives the policy's sums) and, per queue, whether it reads the exponential (gaps[q, GAP_EXP]),
-which a score then takes (_exp_density); at each refit _choose_shapes adds the sampled idle blocks (a set kept as they
-are released, hit and evicted) and chooses.
+the release time of each idle block of its sample (relt: release stamp a multiple of IDLE_EVERY), the likelihood sums
+over their hits and evictions (gll, whole units, so that any order of adding them gives the policy's sums) and, per
+queue, whether it reads the exponential (gaps[q, GAP_EXP]), which a score then takes (_exp_density); at each refit
+_choose_shapes adds the sample's idle blocks (a set kept as they are released, hit and evicted, while the census
+lasts) and chooses.
 
 Victims. The Python policy keeps, per group (queue, type when typed, continuation bin, value bin under hit_value),
 its released leaves in a recency list and the blocks that became leaves later in returned-heaps, and scores three
@@ -225,12 +226,13 @@ class SAEState(NamedTuple):
     # empirical_gaps ([1, 1] when off): the grid (EMPIRICAL_GRID), then for each row of the window (its start, then each
     # refit) the chat queue's survival and its integral, then the agent queue's (EmpiricalGaps.table)
     emp: np.ndarray  # float64 [1 + 4 * row, grid point]
-    # gap_select (one entry when off): each idle block's release (NaN: pinned, or not idle since its last hit), and
+    # gap_select (one entry when off): each idle block's release (NaN: pinned, not idle since its last hit, or not in
+    # the sample the switch follows: release stamp a multiple of IDLE_EVERY), and
     # the likelihood sums of the hits and evictions so far (gap_shape.GapShapeChoice.loglik, in its units)
     relt: np.ndarray  # float64 per slot
-    # ... and the idle blocks in the sample a refit counts (release stamp a multiple of IDLE_EVERY), as a set: its
-    # first N_SAMPLED entries, and each slot's place there (-1: not in it); a refit reads them without a scan of the
-    # cache (which cost mooncake_synthetic made 16 times longer, 64,000 slots at 10 %, 3 us a request)
+    # ... and the sample's idle blocks a refit counts while the census lasts, as a set: its first N_SAMPLED entries,
+    # and each slot's place there (-1: not in it); a refit reads them without a scan of the cache (which cost
+    # mooncake_synthetic made 16 times longer, 64,000 slots at 10 %, 3 us a request)
     sidx: np.ndarray  # int32
     spos: np.ndarray  # int32 per slot
     gll: np.ndarray  # int64 [queue, (log-normal, exponential)]

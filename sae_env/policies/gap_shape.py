@@ -24,25 +24,29 @@ The sums are kept in whole units of ``2**-20`` (each term rounded, then added as
 whatever order its terms come in, so the compiled engine, which visits the idle blocks by slot, chooses as this
 module does, to the last unit.
 
-Cost. The hits and evictions cost a term each (the compiled engine reuses the last term for the runs of blocks released
-together). The idle blocks are the cache's whole content, at every refit: counted one by one, they cost a replay of
-mooncake_synthetic at 10 % 11 us a request (four times LPC's whole decision time), and more as caches grow. So they are
-sampled: the blocks whose release stamp is a multiple of ``every`` (:func:`idle_every`: a power of two that leaves
-``IDLE_SAMPLE`` to twice as many of a full cache's blocks), each counted ``every`` times. Release stamps are given in
-release order, so the sample is spread over every age and group the cache holds; the hits and evictions, which carry
-most of the evidence, are all counted. 128 to 256 terms a refit make the choices of counting every idle block on the
-shipped traces' halves (docs/saecache-real-traces.md, "The gap shape chosen by the cache's own re-accesses"); 64 to
-128 did not (mooncake_synthetic's late half at 5 % flapped between shapes, 15.32 -> 14.60 %).
+Cost. Every block followed costs a term at its hit or eviction (the compiled engine reuses the last term for the runs
+of blocks released together), and the idle blocks are the cache's whole content at every refit: counted one by one,
+they cost a replay of mooncake_synthetic at 10 % 11 us a request (four times LPC's whole decision time), and more as
+caches grow. So the blocks are sampled: only those whose release stamp is a multiple of ``every`` (:func:`idle_every`:
+a power of two that leaves ``IDLE_SAMPLE`` to twice as many of a full cache's blocks) are followed from their release
+to their hit or eviction, and each counts ``every`` times, idle, hit or evicted. Release stamps are given in release
+order, so the sample is spread over every age and group the cache holds. 128 to 256 idle terms a refit make the
+choices of counting every idle block on the shipped traces' halves (docs/saecache-real-traces.md, "The gap shape
+chosen by the cache's own re-accesses"); 64 to 128 did not (mooncake_synthetic's late half at 5 % flapped between
+shapes, 15.32 -> 14.60 %). Sampling the hits and evictions too moved the wide-cell means of the shipped traces, both
+halvings and the traces made four times longer by 0.02 at most, and took about half a microsecond a request off
+mooncake_synthetic made 16 times longer.
 
 The census. The idle blocks stand in for the evictions that have not happened yet: before the cache has turned over
 they are most of the censored times there are, and they are what keeps the first choices from reading hits alone. Once
 the cache has evicted ``CENSUS`` times its capacity, the evictions counted so far are at least four times the idle
 blocks a census could add (a full cache holds at most ``capacity`` of them), and the choices read the hits and
-evictions only (:func:`census_on`; the cost of the census is the sampled blocks' scattered rows and five libm calls
-each: a few hundred nanoseconds a term on mooncake_synthetic made 16 times longer). Stopping it after one turnover
-instead made the choices of the start halves' mooncake_synthetic late half at 5 % worse (15.27 -> 14.15 %); after four
-or sixteen the wide-cell means of the start and alternate halves were +0.80 / +0.91 and +0.78 / +0.90, against +0.78 /
-+0.88 counting at every choice (docs/saecache-real-traces.md, "The gap shape chosen by the cache's own re-accesses").
+evictions only (:func:`census_on`; a term of the census costs a few hundred nanoseconds, five libm calls and the
+sampled block's scattered rows, about 1.5 us a request on mooncake_synthetic made 16 times longer when it never
+ended). Stopping it after one turnover instead made the choices of the start halves' mooncake_synthetic late half at 5 %
+worse (15.27 -> 14.15 %); after four or sixteen the wide-cell means of the start and alternate halves were +0.80 / +0.91
+and +0.78 / +0.90, against +0.78 / +0.88 counting at every choice (every block followed, then;
+docs/saecache-real-traces.md, "The gap shape chosen by the cache's own re-accesses").
 """
 
 from __future__ import annotations

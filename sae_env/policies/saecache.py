@@ -89,9 +89,10 @@ within noise); ``rebin_every`` (1): under ``rebin``, the blocks move at every ``
 ``rebin_move`` (``REBIN_MOVE``, half a continuation bin): under ``rebin``, the blocks move only once the model has
 moved since the last rebinning, ``beta`` refitted or a turn's rate by more than this in logit (0: at any move, the
 decisions of rebinning at every refit);
-``idle_sample`` (``IDLE_SAMPLE``): under ``gap_select``, the idle blocks a refit counts, at least (twice as many at
-most: gap_shape.idle_every), and ``census`` (``CENSUS``, 4): until the cache has evicted this many times its
-capacity (then only its hits and evictions count; ``inf``: at every choice, gap_shape.census_on);
+``idle_sample`` (``IDLE_SAMPLE``): under ``gap_select``, the blocks of a full cache it follows from release to hit
+or eviction and a refit counts idle, at least (twice as many at most: gap_shape.idle_every), and ``census``
+(``CENSUS``, 4): the idle ones are counted until the cache has evicted this many times its capacity (then only the
+hits and evictions; ``inf``: at every choice, gap_shape.census_on);
 ``clock_step`` (1/128; 0 under the paper's ranking), the step of the clock the ranking reads, as a fraction of the
 turnover horizon (``CLOCK_STEP``: the evictions of every arrival within one step share one scan's
 scores; 0: the exact clock).
@@ -304,7 +305,7 @@ class SAECachePolicy(EvictionPolicy):
         self._shape = GapShapeChoice((CH, AG, ST)) if gap_select else None
         if isinstance(idle_sample, bool) or not isinstance(idle_sample, (int, np.integer)) or idle_sample < 1:
             raise ValueError(f"saecache: idle_sample must be a whole number of blocks >= 1, got {idle_sample!r}")
-        self.idle_sample = int(idle_sample)  # gap_select: idle blocks a refit counts, at least (a cost knob)
+        self.idle_sample = int(idle_sample)  # gap_select: blocks of a full cache it follows, at least (a cost knob)
         if isinstance(census, bool) or not isinstance(census, (int, float)) or not census > 0:  # NaN fails too
             raise ValueError(f"saecache: census must be a number of turnovers > 0 (infinite, .inf on a command line: "
                              f"at every choice), got {census!r}")
