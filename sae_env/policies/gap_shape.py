@@ -63,7 +63,7 @@ from sae_env.policies.base import block_array
 __all__ = ["CENSUS", "IDLE_SAMPLE", "LOGLIK_UNIT", "GapShapeChoice", "census_on", "cure_loglik", "idle_every",
            "loglik_units"]
 
-IDLE_SAMPLE = 128  # a refit counts 128 to 256 idle blocks of a full cache (a cost knob; see Cost above)
+IDLE_SAMPLE = 128  # the sample: 128 to 256 blocks of a full cache (a cost knob; see Cost above)
 CENSUS = 4.0  # the idle blocks are counted until the cache has evicted four caches' worth (a cost knob; see Cost)
 
 LOGLIK_UNIT = 2.0 ** -20  # the sums' resolution: a millionth of a nat
@@ -101,7 +101,7 @@ def census_on(evicted: int, capacity: float, turnovers: float) -> bool:
 
 
 def idle_every(capacity: int, sample: int = IDLE_SAMPLE) -> int:
-    """The idle blocks' sampling step for a cache of ``capacity`` blocks: the largest power of two at most
+    """The sample's step for a cache of ``capacity`` blocks: the largest power of two at most
     ``capacity / sample`` (1 for small caches: every block)."""
     return 1 << max(0, (int(capacity) // sample).bit_length() - 1)
 
@@ -110,8 +110,8 @@ class GapShapeChoice:
     """The likelihood sums of one cache and the shape each queue reads now.
 
     ``loglik[q]``: ``[log-normal, exponential]`` over the hits and evictions so far, in units (the idle blocks are
-    added at each choice, not kept); ``exponential[q]``: the current choice; ``idle``: each idle block's release time
-    (a block hit or evicted leaves it)."""
+    added at each choice, not kept); ``exponential[q]``: the current choice; ``idle``: the release time of each idle
+    block in the sample (a block hit or evicted leaves it); ``evicted``: the cache's evictions so far."""
 
     __slots__ = ("queues", "loglik", "exponential", "idle", "switches_made", "evicted")
 
