@@ -77,12 +77,12 @@ def _replay_args(trace: str, policy: str, against: str, capacity: str, out: Path
 def _figures(out: Path) -> dict[str, float]:
     """Each policy's ``decision_us_per_request`` from a run's ``--json``, and under ``POLICY prepare`` the part of it
     spent ahead of the compiled loop (``prepare_us_per_request``; NaN where the Python engine ran it)."""
-    out_ = {}
+    figures = {}
     for r in json.loads(out.read_text()):
-        out_[r["policy"]] = float(r["decision_us_per_request"])
+        figures[r["policy"]] = float(r["decision_us_per_request"])
         prepare = r.get("prepare_us_per_request")
-        out_[f"{r['policy']} prepare"] = math.nan if prepare is None else float(prepare)
-    return out_
+        figures[f"{r['policy']} prepare"] = math.nan if prepare is None else float(prepare)
+    return figures
 
 
 def _fail(said: str, code: int) -> NoReturn:

@@ -152,10 +152,13 @@ class GapShapeChoice:
             self.add(self.loglik, b.queue, event, now - t0, p_of(b), shape_of(b.queue), every)
 
     def totals(self, now: float, p_of: Callable[[Block], float],
-               shape_of: Callable[[int], tuple[float, float, float]], every: int = 1) -> dict[int, list[int]]:
+               shape_of: Callable[[int], tuple[float, float, float]], every: int = 1,
+               census: bool = True) -> dict[int, list[int]]:
         """The sums with the idle blocks counted censored at ``now`` (those whose release stamp is a multiple of
-        ``every``, ``every`` times each)."""
+        ``every``, ``every`` times each; none unless ``census``)."""
         total = {q: list(s) for q, s in self.loglik.items()}
+        if not census:
+            return total
         for b, t0 in self.idle.items():
             q = b.queue
             if q in total and not abs(b.stamp) % every:
@@ -166,7 +169,7 @@ class GapShapeChoice:
                shape_of: Callable[[int], tuple[float, float, float]], every: int = 1, census: bool = True) -> bool:
         """Each queue reads the shape ahead in :meth:`totals` (without the idle blocks unless ``census``); whether
         any choice changed."""
-        total = self.totals(now, p_of, shape_of, every) if census else {q: list(s) for q, s in self.loglik.items()}
+        total = self.totals(now, p_of, shape_of, every, census)
         changed = False
         for q in self.queues:
             exp_now = total[q][1] > total[q][0]
