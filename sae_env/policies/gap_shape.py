@@ -41,12 +41,13 @@ The census. The idle blocks stand in for the evictions that have not happened ye
 they are most of the censored times there are, and they are what keeps the first choices from reading hits alone. Once
 the cache has evicted ``CENSUS`` times its capacity, the evictions counted so far are at least four times the idle
 blocks a census could add (a full cache holds at most ``capacity`` of them), and the choices read the hits and
-evictions only (:func:`census_on`; a term of the census costs a few hundred nanoseconds, five libm calls and the
-sampled block's scattered rows, about 1.5 us a request on mooncake_synthetic made 16 times longer when it never
-ended). Stopping it after one turnover instead made the choices of the start halves' mooncake_synthetic late half at 5 %
-worse (15.27 -> 14.15 %); after four or sixteen the wide-cell means of the start and alternate halves were +0.80 / +0.91
-and +0.78 / +0.90, against +0.78 / +0.88 counting at every choice (every block followed, then;
-docs/saecache-real-traces.md, "The gap shape chosen by the cache's own re-accesses").
+evictions only (:func:`census_on`; a term of the census costs 100-200 nanoseconds in the compiled engine, five libm
+calls and the sampled block's scattered rows: about a fifth of a microsecond a request on mooncake_synthetic made 16
+times longer, where the census lasts four of its nine turnovers). Stopping it after one turnover instead made the
+choices of the start halves' mooncake_synthetic late half at 5 % worse (15.27 -> 14.15 %); after four or sixteen the
+wide-cell means of the start and alternate halves were +0.80 / +0.91 and +0.78 / +0.90, against +0.78 / +0.88 counting
+at every choice (every block followed, then; docs/saecache-real-traces.md, "The gap shape chosen by the cache's own
+re-accesses").
 """
 
 from __future__ import annotations
