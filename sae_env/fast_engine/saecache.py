@@ -910,10 +910,15 @@ def _unsample(ps, s):
 def _idle(ps, s, now, stamp):
     """GapShapeChoice.released: slot ``s`` is idle from ``now`` if its release ``stamp`` is in the sample (relt: NaN
     where it is not)."""
-    _unsample(ps, s)
     if stamp & (ps.si[IDLE_EVERY] - 1) != 0:
-        ps.relt[s] = math.nan
+        # most blocks: off the sample, and already NaN (a hit or an eviction ended their last idle time); a slot in the
+        # census's set is never NaN, so the set is left alone then (the two stores cost 0.05-0.1 us a request on
+        # mooncake_synthetic made 16 times longer, where one release in 256 is in the sample)
+        if ps.relt[s] == ps.relt[s]:
+            _unsample(ps, s)
+            ps.relt[s] = math.nan
         return
+    _unsample(ps, s)
     ps.relt[s] = now
     # (once the census is over no choice reads the census's set: it is left to empty as its blocks are hit or evicted)
     if _census_on(ps.si[SHAPE_EVICTED], ps.sf[CAPACITY], ps.sf[CENSUS]):
