@@ -912,8 +912,8 @@ def _idle(ps, s, now, stamp):
     where it is not)."""
     if stamp & (ps.si[IDLE_EVERY] - 1) != 0:
         # most blocks: off the sample, and already NaN (a hit or an eviction ended their last idle time); a slot in the
-        # census's set is never NaN, so the set is left alone then (the two stores cost 0.05-0.1 us a request on
-        # mooncake_synthetic made 16 times longer, where one release in 256 is in the sample)
+        # census's set is never NaN, so the set is left alone then (the two stores skipped: at most 0.1 us a request on
+        # mooncake_synthetic made 16 times longer, where one release in 256 is in the sample: within this VM's noise)
         if ps.relt[s] == ps.relt[s]:
             _unsample(ps, s)
             ps.relt[s] = math.nan
@@ -943,9 +943,10 @@ def _ended(ps, rec, s, now, event, memo):
 def _census(total, rec, now, pst, sidx, n, relt, relby, bmark, bslot, mark, slotp, gaps):
     """The census of _choose_shapes: _shape_add of each of the ``n`` sampled idle blocks, censored at ``now``, into
     ``total``, once each, with its own memo row. The state's arrays are passed in rather than read from the state at
-    each block: read there, the census took three to ten times as long (mooncake_synthetic at 10 %: 0.22-0.26 us a
-    request against 0.01-0.08; made 16 times longer, 0.67 against 0.16-0.36). ``mark``: RB_MARK under rebin, else -1
-    (no request carries it)."""
+    each block (in a function the kernel calls rather than inlines, each such read counts a reference: jit.borrow):
+    read there, the census took three to ten times as long (mooncake_synthetic at 10 %: 0.22-0.26 us a request against
+    0.01-0.08; made 16 times longer, 0.67 against 0.16-0.36). ``mark``: RB_MARK under rebin, else -1 (no request
+    carries it)."""
     mq, mp, mt, mln, mex = -1, -1.0, -1.0, 0, 0
     for k in range(n):
         s = sidx[k]
