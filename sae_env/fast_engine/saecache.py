@@ -872,17 +872,24 @@ M_HIT, M_EVICT = range(2)  # a row per caller (the census keeps its own: _census
 
 
 @inline
+def _shape_p(rec, s, q, pst, slotp, relby, bmark, bslot, mark):
+    """The continuation probability slot ``s`` (of queue ``q``) counts with in gap_select's sums, the one its score
+    reads (SAECachePolicy._p_of): ``pst`` for a structural block, else its current group's bin's (``mark``: RB_MARK
+    under rebin, else -1: the group it was released into). From the arrays, for _shape_add and _census alike."""
+    if q == ST:
+        return pst
+    g = _rebinned(rec[s, GROUP], relby[s], bmark, bslot, mark) if mark >= 0 else rec[s, GROUP]
+    return slotp[g % N_GROUPS // GROUP_SLOT]
+
+
+@inline
 def _shape_add(ps, rec, s, event, t, sums, pst, memo, weight):
     """GapShapeChoice.add of slot ``s``'s idle time ``t`` into ``sums``, ``weight`` times, with the continuation
-    probability its score reads (SAECachePolicy._p_of; ``pst``: the structural one); ``memo``: a row of shm."""
+    probability its score reads (_shape_p; ``pst``: the structural one); ``memo``: a row of shm."""
     q = rec[s, QUEUE]
     if not (q == CH or q == AG or q == ST) or not t > 0.0:
         return
-    if q == ST:
-        p = pst
-    else:
-        g = _current_group(ps, rec, s) if ps.si[REBIN] else rec[s, GROUP]
-        p = ps.slotp[g % N_GROUPS // GROUP_SLOT]
+    p = _shape_p(rec, s, q, pst, ps.slotp, ps.relby, ps.bmark, ps.bslot, ps.si[RB_MARK] if ps.si[REBIN] else -1)
     ev = 1.0 if event else 0.0
     if not (memo[M_T] == t and memo[M_P] == p and memo[M_Q] == q and memo[M_EVENT] == ev):
         gp = ps.gaps
@@ -954,11 +961,7 @@ def _census(total, rec, now, pst, sidx, n, relt, relby, bmark, bslot, mark, slot
         t = now - relt[s]
         if not (q == CH or q == AG or q == ST) or not t > 0.0:
             continue
-        if q == ST:
-            p = pst
-        else:
-            g = _rebinned(rec[s, GROUP], relby[s], bmark, bslot, mark) if mark >= 0 else rec[s, GROUP]
-            p = slotp[g % N_GROUPS // GROUP_SLOT]
+        p = _shape_p(rec, s, q, pst, slotp, relby, bmark, bslot, mark)
         if not (t == mt and p == mp and q == mq):
             ln, ex = _cure(False, t, p, gaps[q, 0], gaps[q, GAP_SIGMA], gaps[q, 2])
             mq, mp, mt, mln, mex = q, p, t, _units(ln), _units(ex)
