@@ -883,17 +883,16 @@ def _shape_p(rec, s, q, pst, slotp, relby, bmark, bslot, mark):
 
 
 @inline
-def _shape_add(ps, rec, s, event, t, sums, pst, memo, weight):
+def _shape_add(rec, s, event, t, sums, pst, memo, weight, slotp, relby, bmark, bslot, mark, gaps):
     """GapShapeChoice.add of slot ``s``'s idle time ``t`` into ``sums``, ``weight`` times, with the continuation
     probability its score reads (_shape_p; ``pst``: the structural one); ``memo``: a row of shm."""
     q = rec[s, QUEUE]
     if not (q == CH or q == AG or q == ST) or not t > 0.0:
         return
-    p = _shape_p(rec, s, q, pst, ps.slotp, ps.relby, ps.bmark, ps.bslot, ps.si[RB_MARK] if ps.si[REBIN] else -1)
+    p = _shape_p(rec, s, q, pst, slotp, relby, bmark, bslot, mark)
     ev = 1.0 if event else 0.0
     if not (memo[M_T] == t and memo[M_P] == p and memo[M_Q] == q and memo[M_EVENT] == ev):
-        gp = ps.gaps
-        ln, ex = _cure(event, t, p, gp[q, 0], gp[q, GAP_SIGMA], gp[q, 2])
+        ln, ex = _cure(event, t, p, gaps[q, 0], gaps[q, GAP_SIGMA], gaps[q, 2])
         memo[M_Q], memo[M_EVENT], memo[M_T], memo[M_P] = q, ev, t, p
         memo[M_LN], memo[M_EX] = _units(ln), _units(ex)  # (whole units below 2**53: exact as floats)
     sums[q, 0] += weight * np.int64(memo[M_LN])
@@ -901,16 +900,16 @@ def _shape_add(ps, rec, s, event, t, sums, pst, memo, weight):
 
 
 @inline
-def _unsample(ps, s):
+def _unsample(si, spos, sidx, s):
     """Slot ``s`` leaves the idle sample (its place taken by the sample's last entry)."""
-    k = ps.spos[s]
+    k = spos[s]
     if k >= 0:
-        last = ps.si[N_SAMPLED] - 1
-        t = ps.sidx[last]
-        ps.sidx[k] = t
-        ps.spos[t] = k
-        ps.spos[s] = -1
-        ps.si[N_SAMPLED] = last
+        last = si[N_SAMPLED] - 1
+        t = sidx[last]
+        sidx[k] = t
+        spos[t] = k
+        spos[s] = -1
+        si[N_SAMPLED] = last
 
 
 @inline
@@ -922,10 +921,10 @@ def _idle(ps, s, now, stamp):
         # census's set is never NaN, so the set is left alone then (the two stores skipped: at most 0.1 us a request on
         # mooncake_synthetic made 16 times longer, where one release in 256 is in the sample: within this VM's noise)
         if ps.relt[s] == ps.relt[s]:
-            _unsample(ps, s)
+            _unsample(ps.si, ps.spos, ps.sidx, s)
             ps.relt[s] = math.nan
         return
-    _unsample(ps, s)
+    _unsample(ps.si, ps.spos, ps.sidx, s)
     ps.relt[s] = now
     # (once the census is over no choice reads the census's set: it is left to empty as its blocks are hit or evicted)
     if _census_on(ps.si[SHAPE_EVICTED], ps.sf[CAPACITY], ps.sf[CENSUS]):
@@ -938,12 +937,22 @@ def _idle(ps, s, now, stamp):
 @inline
 def _ended(ps, rec, s, now, event, memo):
     """GapShapeChoice.ended: slot ``s``, idle since its release (in the sample), is hit (``event``) or evicted at
-    ``now``: its idle time counts IDLE_EVERY times."""
+    ``now``: its idle time counts IDLE_EVERY times. Only a block in the sample (``relt`` not NaN) calls out."""
     t0 = ps.relt[s]
     if t0 == t0:
-        ps.relt[s] = math.nan
-        _unsample(ps, s)
-        _shape_add(ps, rec, s, event, now - t0, ps.gll, ps.sf[PST], memo, ps.si[IDLE_EVERY])
+        _sampled_ended(rec, s, now - t0, event, memo, ps.relt, ps.si, ps.spos, ps.sidx, ps.gll, ps.sf[PST],
+                       ps.slotp, ps.relby, ps.bmark, ps.bslot, ps.si[RB_MARK] if ps.si[REBIN] else -1, ps.gaps)
+
+
+@jit
+def _sampled_ended(rec, s, t, event, memo, relt, si, spos, sidx, sums, pst, slotp, relby, bmark, bslot, mark, gaps):
+    """_ended of a block in the sample, called rather than inlined: a kernel inlines a helper at each of its call
+    sites, and this one's likelihood terms (libm's log, erfc and exp) at three sites took a third of SAECache's
+    kernel's compile time; it runs for one block in IDLE_EVERY, so the call costs nothing measurable. It takes the
+    arrays it uses, not the state (a call copies what it is passed)."""
+    relt[s] = math.nan
+    _unsample(si, spos, sidx, s)
+    _shape_add(rec, s, event, t, sums, pst, memo, si[IDLE_EVERY], slotp, relby, bmark, bslot, mark, gaps)
 
 
 @jit
@@ -1169,6 +1178,7 @@ def _evict(ps, c, now):
     if 0.0 < step < math.inf:
         now = np.ceil(now / step) * step
     rec = c.rec
+    v = -1
     up = si[NEXT_UP]
     if up >= 0:
         si[NEXT_UP] = -1
@@ -1176,20 +1186,21 @@ def _evict(ps, c, now):
                 and rec[up, PIN] == 0 and rec[up, NCHILD] == 0:
             if si[DEFERRED] == up:
                 si[DEFERRED] = -1
-            return _take(ps, c, up, at)
-    _flush(ps, rec)
-    rescore = not (si[CAND_OK] and sf[CAND_NOW] == now)
-    full = rescore or si[STALE]
-    if full:
-        si[CAND_OK] = 1
-        sf[CAND_NOW] = now
-        si[STALE] = 0
-    v = _select(ps, c, now, full, rescore)
+            v = up
     if v < 0:
-        return -1
-    si[LAST_G] = rec[v, GROUP]
-    ps.gi[G_DIRTY, rec[v, GROUP]] = 1
-    return _take(ps, c, v, at)
+        _flush(ps, rec)
+        rescore = not (si[CAND_OK] and sf[CAND_NOW] == now)
+        full = rescore or si[STALE]
+        if full:
+            si[CAND_OK] = 1
+            sf[CAND_NOW] = now
+            si[STALE] = 0
+        v = _select(ps, c, now, full, rescore)
+        if v < 0:
+            return -1
+        si[LAST_G] = rec[v, GROUP]
+        ps.gi[G_DIRTY, rec[v, GROUP]] = 1
+    return _take(ps, c, v, at)  # one call site: the kernel inlines it once (each copy costs compile time)
 
 
 @jit
