@@ -564,6 +564,42 @@ def test_a_cache_index_naming_a_state_class_that_is_gone_is_a_miss(tmp_path, mon
         foreign._load_index()
 
 
+def test_a_kernels_first_call_waits_while_another_process_compiles_it(tmp_path):
+    """Two processes that need one kernel at once compile it once: the second waits on the kernel's lock file (held
+    here, as a process compiling it holds it), then loads it from the cache. A replay that did not wait would finish
+    while the lock is held."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from sae_env.fast_engine import jit
+    from sae_env.fast_engine.baselines import LRUState
+
+    script = ("from sae_env.cache import PrefixCache; from sae_env.policies import make_policy; "
+              "from sae_env.replay import Replay; from sae_env.sources import open_trace; "
+              "t, _ = open_trace('taubench'); print('ready', flush=True); "
+              "Replay(t[:40], PrefixCache(50, make_policy('lru')), None, engine='fast').run(); "
+              "print('done', flush=True)")
+    # the kernel in the disk cache first: otherwise the other process would take a while to compile it, lock or not
+    Replay(_real("taubench", 40), PrefixCache(50, make_policy("lru")), None, engine="fast").run()
+    lock = jit.kernel_lock(f"{LRUState.__qualname__}.run_window__TIMED_False", tmp_path)
+    lock.parent.mkdir()
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=Path(__file__).resolve().parent.parent)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            time.sleep(4)  # a replay of 40 requests with the kernel cached takes well under a second
+            assert proc.poll() is None
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+        out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0 and out.strip() == "done"
+
+
 def test_writable_and_read_only_inputs_share_one_kernel():
     """A trace built from writable arrays and one built from read-only ones (as Ray hands a worker its arrays) replay
     on the same compiled kernels: no second signature, so no second compile (a replay on a Ray worker compiled
@@ -571,7 +607,7 @@ def test_writable_and_read_only_inputs_share_one_kernel():
     from sae_env.fast_engine import jit
 
     def signatures() -> int:
-        return sum(len(k.signatures) for k in jit._KERNELS.values())
+        return sum(len(getattr(k, "dispatcher", k).signatures) for k in jit._KERNELS.values())
 
     trace = _real("taubench", 40)
     frozen = {}

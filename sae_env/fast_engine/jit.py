@@ -332,8 +332,49 @@ def kernel(entry: str, state_class: type, **constants: Any) -> Callable:
         # numba's disk cache tells kernels apart by their qualified name and signature: kernels that differ only in
         # their constants need names of their own.
         scope[entry].__qualname__ = "__".join([entry, *(f"{k}_{v}" for k, v in sorted(constants.items()))])
-        k = _KERNELS[key] = jit(scope[entry])
+        name = f"{state_class.__qualname__}.{scope[entry].__qualname__}"
+        k = _KERNELS[key] = _compiled_once(key, jit(scope[entry]), name)
     return k
+
+
+def _compiled_once(key: tuple, k: Callable, name: str) -> Callable:
+    """``k`` whose first call in this process (where numba compiles it, or loads it from the disk cache) holds a
+    lock file of its own, so that processes that start at once compile a kernel once: the test suite's workers and
+    its warm-up process, Ray's workers on a fresh install. Without it each compiled it (SAECache's take a minute or
+    more each), and the others' compiles only made the machine slower. The second process waits, then loads what
+    the first wrote to the cache. Later calls go to ``k`` itself. No lock where the platform has no ``fcntl``."""
+    try:
+        import fcntl
+        import tempfile
+    except ImportError:  # pragma: no cover - not POSIX
+        return k
+    path = kernel_lock(name, Path(tempfile.gettempdir()))
+
+    def first_call(*args: Any) -> Any:
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd = open(path, "a")  # noqa: SIM115 - held for the compile, closed below
+        except OSError:  # an unwritable temporary folder: compile as if alone
+            fd = None
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            out = k(*args)
+        finally:
+            if fd is not None:
+                fd.close()  # (closing releases the lock; so does the process's end, however it ends)
+        _KERNELS[key] = k
+        return out
+
+    first_call.dispatcher = k
+    return first_call
+
+
+def kernel_lock(name: str, folder: Path) -> Path:
+    """The lock file of kernel ``name`` (state class and entry, as :func:`kernel` names it) under ``folder`` (the
+    temporary folder), per version of the package: another version's kernel of the same name is another kernel."""
+    digest = hashlib.sha256(f"{globals().get('_STAMP')};{name}".encode()).hexdigest()[:24]
+    return folder / "saecache-gym-kernels" / f"{digest}.lock"
 
 
 def rebind(f: Callable, **names: Any) -> Callable:
