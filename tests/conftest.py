@@ -118,7 +118,7 @@ def prefix_traces(draw, max_requests: int = 24, max_prompt: int = 6, max_output:
     return build_trace(prompts, outs, times, tails=tails, out_extra=out_extra)
 
 
-# SAECache's timed kernel first: it takes the longest to compile (over a minute) and the suite's first tests need it
+# SAECache's timed kernel first: it takes the longest to compile (about a minute) and the suite's first tests need it
 # second, right after SAECache's instant kernel, which a worker compiles then. The others in the reverse of the order in
 # which the suite first needs them (tests/test_agents.py, then tests/test_env.py: measured). A kernel's first call in
 # a process holds a lock file of its own (jit._compiled_once): a worker that needs a kernel this process is compiling
@@ -132,7 +132,7 @@ WARM_ORDER = ("saecache:timed,lpc:timed,when-oracle:instant,session-oracle:insta
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the compiled engine's kernels in a process of their own while the tests run (in the controller when
     the suite runs on workers, so once): a clean checkout spends minutes compiling kernels (5-17 s each, SAECache's
-    two over a minute each: 2026-12-07, this project's 2-core machine), and without this every worker compiles each
+    two about a minute each: 2026-12-07, this project's 2-core machine), and without this every worker compiles each
     kernel it needs inside the test that first needs it; a test then loads its kernel from the disk cache instead,
     or waits on the kernel's lock while this process compiles it. Measured on a clean clone with two workers, before
     the lock: 369.5 s with it, 454.1 s without. It changes no result (a kernel compiled here or in the test is the
