@@ -340,8 +340,8 @@ def kernel(entry: str, state_class: type, **constants: Any) -> Callable:
 def _compiled_once(key: tuple, k: Callable, name: str) -> Callable:
     """``k`` whose first call in this process (where numba compiles it, or loads it from the disk cache) holds a
     lock file of its own, so that processes that start at once compile a kernel once: the test suite's workers and
-    its warm-up process, Ray's workers on a fresh install. Without it each compiled it (SAECache's take a minute or
-    more each), and the others' compiles only made the machine slower. The second process waits, then loads what
+    its warm-up process, Ray's workers on a fresh install. Without it each compiled it (SAECache's take about a
+    minute each), and the others' compiles only made the machine slower. The second process waits, then loads what
     the first wrote to the cache. Later calls go to ``k`` itself. No lock where the platform has no ``fcntl``."""
     try:
         import fcntl
