@@ -120,9 +120,10 @@ def prefix_traces(draw, max_requests: int = 24, max_prompt: int = 6, max_output:
 
 # SAECache's timed kernel first: it takes the longest to compile (about a minute) and the suite's first tests need it
 # second, right after SAECache's instant kernel, which a worker compiles then. The others in the reverse of the order in
-# which the suite first needs them (tests/test_agents.py, then tests/test_env.py: measured). A kernel's first call in
-# a process holds a lock file of its own (jit._compiled_once): a worker that needs a kernel this process is compiling
-# waits for it and loads it, rather than compile it a second time beside it.
+# which the suite first needs them (tests/test_agents.py, then tests/test_env.py: measured). A second process takes the
+# kernels in the opposite order, so that the two meet halfway. A kernel's first call in a process holds a lock file of
+# its own (jit._compiled_once): a process that needs a kernel another is compiling waits for it and loads it, rather
+# than compile it a second time beside it.
 WARM_ORDER = ("saecache:timed,lpc:timed,when-oracle:instant,session-oracle:instant,reuse-oracle:instant,"
               "belady:instant,s3fifo:instant,fifo:instant,lfu:instant,lru:instant,when-oracle:timed,"
               "session-oracle:timed,reuse-oracle:timed,belady:timed,s3fifo:timed,fifo:timed,lfu:timed,lru:timed,"
@@ -130,25 +131,31 @@ WARM_ORDER = ("saecache:timed,lpc:timed,when-oracle:instant,session-oracle:insta
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Compile the compiled engine's kernels in a process of their own while the tests run (in the controller when
-    the suite runs on workers, so once): a clean checkout spends minutes compiling kernels (5-17 s each, SAECache's
-    two about a minute each: 2026-12-07, this project's 2-core machine), and without this every worker compiles each
-    kernel it needs inside the test that first needs it; a test then loads its kernel from the disk cache instead,
-    or waits on the kernel's lock while this process compiles it. Measured on a clean clone with two workers, before
-    the lock: 369.5 s with it, 454.1 s without. It changes no result (a kernel compiled here or in the test is the
-    same machine code), only when the compiling happens. SAECACHE_GYM_NO_WARM=1 turns it off."""
+    """Compile the compiled engine's kernels in two processes of their own while the tests run (in the controller
+    when the suite runs on workers, so once): a clean checkout spends minutes compiling kernels (5-15 s each,
+    SAECache's two about a minute each: 2026-12-07, this project's 2-core machine), and without this every worker
+    compiles each kernel it needs inside the test that first needs it; a test then loads its kernel from the disk
+    cache instead, or waits on the kernel's lock while one of them compiles it. Measured on a clean clone with two
+    workers, before the lock: 369.5 s with one such process, 454.1 s without; with the lock and one process, the whole
+    suite took 11:25-13:03 in three runs, and with two (one in each order) and the end-to-end tests merged, 10:48 and
+    11:29 (2026-12-07; the machine varies by a minute). While the suite's first tests wait on kernels, one process
+    left a core idle. It changes no result (a kernel compiled here or in the test is the same machine code), only
+    when the compiling happens. SAECACHE_GYM_NO_WARM=1 turns it off."""
     if os.environ.get("SAECACHE_GYM_NO_WARM") or not fast_engine.AVAILABLE or hasattr(session.config, "workerinput"):
         return
-    session.config._warm = subprocess.Popen(
-        [sys.executable, "-m", "sae_env.precompile", "--kernels", WARM_ORDER],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent)
+    order = WARM_ORDER.split(",")
+    session.config._warm = [
+        subprocess.Popen([sys.executable, "-m", "sae_env.precompile", "--kernels", ",".join(kernels)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         cwd=Path(__file__).resolve().parent.parent)
+        for kernels in (order, order[::-1])]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    warm = getattr(session.config, "_warm", None)
-    if warm is not None and warm.poll() is None:
-        warm.kill()
-        warm.wait()
+    for warm in getattr(session.config, "_warm", ()):
+        if warm.poll() is None:
+            warm.kill()
+            warm.wait()
 
 
 @pytest.fixture(scope="session")

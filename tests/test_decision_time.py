@@ -40,12 +40,20 @@ def run(*args: str) -> subprocess.CompletedProcess:
     (("--json", str(Path(__file__) / "out.json"), "--runs", "1"), "is a file, not a folder"),
     (("--json", str(Path(__file__).parent), "--runs", "1"), "is a folder; give a file name"),
 ])
-def test_a_mistake_exits_2_with_one_line_that_names_it(args, says):
-    done = run(*args)
-    assert done.returncode == 2
-    lines = [x for x in done.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], done.stderr
-    assert done.stdout == ""
+def test_a_mistake_exits_2_with_one_line_that_names_it(args, says, capsys):
+    # main() in this process (a new interpreter per case cost a second each); the script's own exit status is
+    # checked once, as a command, below
+    assert _module().main(list(args)) == 2
+    out, err = capsys.readouterr()
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], err
+    assert out == ""
+
+
+def test_the_command_exits_with_mains_status():
+    done = run("--runs", "0")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == "error: --runs must be at least 1, got 0"
 
 
 @pytest.mark.slow
