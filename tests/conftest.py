@@ -137,8 +137,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     compiles each kernel it needs inside the test that first needs it; a test then loads its kernel from the disk
     cache instead, or waits on the kernel's lock while one of them compiles it. Measured on a clean clone with two
     workers, before the lock: 369.5 s with one such process, 454.1 s without; with the lock and one process, the whole
-    suite took 11:25-13:03 in three runs, and with two (one in each order) and the end-to-end tests merged, 10:48-12:30
-    in four (2026-12-07; the machine varies by more than that difference). While the suite's first tests wait on
+    suite took 11:25-13:03 in three runs, and with two (one in each order) and the end-to-end tests merged, 10:48-13:16
+    in five (2026-12-07; the machine varies by more than that difference). While the suite's first tests wait on
     kernels, one process leaves a core idle. It changes no result (a kernel compiled here or in the test is the same
     machine code), only when the compiling happens. SAECACHE_GYM_NO_WARM=1 turns it off."""
     if os.environ.get("SAECACHE_GYM_NO_WARM") or not fast_engine.AVAILABLE or hasattr(session.config, "workerinput"):
