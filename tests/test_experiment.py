@@ -456,22 +456,34 @@ def test_cli_failed_cell_exit_code(tmp_path, capsys, monkeypatch):
 
 # -- the quickstart, end to end, as the README runs it -------------------------------------------------------------
 
+def strace(log: Path) -> list[str]:
+    """The prefix that runs a command under strace, every process it starts included, logging its socket sends to
+    ``log``. ``--seccomp-bpf`` stops the traced processes only at these four calls, not at every system call."""
+    return ["strace", "-f", "--seccomp-bpf", "-qq", "-e", "trace=connect,sendto,sendmsg,sendmmsg", "-o", str(log)]
+
+
+def assert_stays_on_the_machine(log: Path) -> None:
+    """Every TCP/UDP address in the strace ``log`` is loopback (and there is at least one: Ray's own)."""
+    inet = re.findall(r"sa_family=AF_INET6?, [^}]*}", log.read_text())
+    assert inet, "no TCP/UDP connection at all: strace did not see Ray"
+    remote = [a for a in inet if "127.0.0.1" not in a and '"::1"' not in a]
+    assert remote == [], f"connections off the machine: {sorted(set(remote))[:5]}"
+
+
 def test_quickstart_end_to_end_sends_nothing_off_the_machine(tmp_path, wandb_dirs):
     """`python train.py` (the default config: Ray, W&B offline) finishes with a table, plots and W&B runs, and under
     `strace -f` every socket connect / sendto of it and of the Ray processes it starts is loopback or local.
 
     One run checks both: the main job is what must stay on the machine, and a run of it is the suite's dearest
-    end-to-end test. ``--seccomp-bpf`` stops the traced processes only at the four calls traced, not at every
-    system call (here the quickstart under it took 26 s, 5.5 s of it system time; the check it replaces, a smaller
-    config under plain ``strace -f``, 35 s, 16 s of it system time).
+    end-to-end test. Under :func:`strace` the quickstart took 26 s here, 5.5 s of it system time; the check it
+    replaces, a smaller config under plain ``strace -f``, 35 s, 16 s of it system time.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(wandb_dirs, PYTHONPATH=str(ROOT))
     env.pop("WANDB_BASE_URL", None)
     log = tmp_path / "strace.txt"
-    strace = ["strace", "-f", "--seccomp-bpf", "-qq", "-e", "trace=connect,sendto,sendmsg,sendmmsg", "-o", str(log)]
     command = [sys.executable, "train.py", "--output", str(tmp_path / "runs"), "--no-progress"]
-    proc = subprocess.run([*strace, *command] if shutil.which("strace") else command,
+    proc = subprocess.run([*strace(log), *command] if shutil.which("strace") else command,
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| saecache |" in proc.stdout and "| belady |" in proc.stdout
@@ -481,10 +493,7 @@ def test_quickstart_end_to_end_sends_nothing_off_the_machine(tmp_path, wandb_dir
     assert len(offline_run_files(run_dir)) == 29
     if not shutil.which("strace"):
         pytest.skip("the quickstart ran; checking its connections needs strace")
-    inet = re.findall(r"sa_family=AF_INET6?, [^}]*}", log.read_text())
-    assert inet, "no TCP/UDP connection at all: strace did not see Ray"
-    remote = [a for a in inet if "127.0.0.1" not in a and '"::1"' not in a]
-    assert remote == [], f"connections off the machine: {sorted(set(remote))[:5]}"
+    assert_stays_on_the_machine(log)
 
 
 def test_readme_agent_example_runs(tmp_path, monkeypatch):

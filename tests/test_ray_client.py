@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("grpc", reason="Ray Client needs the client extra (ray[client])")
 
 from test_experiment import SMALL as EXPERIMENT  # noqa: E402
-from test_experiment import strip_timing  # noqa: E402
+from test_experiment import assert_stays_on_the_machine, strace, strip_timing  # noqa: E402
 
 from agents import CellRunner  # noqa: E402
 from sae_env.experiment import load_config, load_results, run_experiment  # noqa: E402
@@ -92,10 +92,6 @@ def test_ray_client_run_equals_serial_and_gives_sigterm_back(tmp_path):
 @pytest.mark.skipif(not shutil.which("strace"), reason="needs strace")
 def test_ray_client_sends_nothing_off_the_machine(tmp_path):
     log = tmp_path / "strace.txt"
-    strace = ["strace", "-f", "--seccomp-bpf", "-qq", "-e", "trace=connect,sendto,sendmsg,sendmmsg", "-o", str(log)]
-    proc, results = _client_run(tmp_path, strace)
+    proc, results = _client_run(tmp_path, strace(log))
     assert strip_timing(results["client"]) == strip_timing(results["serial"])
-    inet = re.findall(r"sa_family=AF_INET6?, [^}]*}", log.read_text())
-    assert inet, "no TCP/UDP connection at all: strace did not see Ray"
-    remote = [a for a in inet if "127.0.0.1" not in a and '"::1"' not in a]
-    assert remote == [], f"connections off the machine: {sorted(set(remote))[:5]}"
+    assert_stays_on_the_machine(log)
