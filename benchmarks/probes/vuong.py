@@ -59,16 +59,6 @@ class VuongChoice(gap_shape.GapShapeChoice):
                 changed = True
         return changed
 
-    def totals(self, now, p_of, shape_of, every=1, census=True):
-        total = {q: list(s) for q, s in self.loglik.items()}
-        if not census:
-            return total
-        for b, t0 in self.idle.items():
-            q = b.queue
-            if q in total and not abs(b.stamp) % every:
-                self.add(total, q, False, now - t0, p_of(b), shape_of(q), every)
-        return total
-
 
 class Vuong(SAECachePolicy):
     """SAECache with ``gap_select`` whose exponential needs Vuong's test at level ``z`` (1.96: 5 %, two-sided)."""
