@@ -88,10 +88,11 @@ def truncated_mu(lg: np.ndarray, log_t: np.ndarray, sigma: float) -> float:
     return 0.5 * (lo + hi)
 
 
-def shrunk_truncated(buckets: np.ndarray, lg: np.ndarray, log_t: np.ndarray, mu: float,
-                     sigma: float) -> list[tuple[float, float]]:
+def shrunk_truncated(buckets: np.ndarray, lg: np.ndarray, log_t: np.ndarray, mu: float, sigma: float,
+                     fisher: bool = True) -> list[tuple[float, float]]:
     """:func:`shrunk` with each bucket's mean log gap, and the buckets' grand one, as :func:`truncated_mu` estimates
-    them (``sigma`` the queue's), the noise of a bucket's estimate taken as ``sigma**2 / n_k``."""
+    them (``sigma`` the queue's), the noise of a bucket's estimate the inverse of its truncated likelihood's Fisher
+    information (``sigma**2 / n_k`` where every follow-up is long; without ``fisher``, ``sigma**2 / n_k``)."""
     out = [(mu, sigma)] * N_BUCKETS
     n = np.bincount(buckets, minlength=N_BUCKETS)
     use = np.flatnonzero(n >= 2)
@@ -99,7 +100,14 @@ def shrunk_truncated(buckets: np.ndarray, lg: np.ndarray, log_t: np.ndarray, mu:
         return out
     grand = truncated_mu(lg, log_t, sigma)
     m = np.array([truncated_mu(lg[buckets == k], log_t[buckets == k], sigma) for k in use.tolist()])
+    # A bucket's estimate is as noisy as its truncated likelihood is flat: the Fisher information of a gap followed up
+    # for t is (1 - lam (z + lam)) / sigma**2 at z = (log t - mu) / sigma (lam: the inverse Mills ratio), all of
+    # 1 / sigma**2 where t is long and little of it where t is short.
     noise = sigma * sigma / n[use]
+    for j, k in enumerate(use.tolist() if fisher else ()):
+        z = (log_t[buckets == k] - m[j]) / sigma
+        lam = np.exp(-0.5 * z * z - _HALF_LOG_2PI - log_ndtr(z))
+        noise[j] = sigma * sigma / max(float(np.sum(1.0 - lam * (z + lam))), 1e-12)
     tau2 = max(0.0, float(np.mean((m - grand) ** 2 - noise)))
     for k, mk, ek in zip(use.tolist(), m.tolist(), noise.tolist(), strict=True):
         out[k] = (mu + tau2 / (tau2 + ek) * (mk - grand), sigma)
@@ -109,10 +117,11 @@ def shrunk_truncated(buckets: np.ndarray, lg: np.ndarray, log_t: np.ndarray, mu:
 class TurnGaps(SAECachePolicy):
     """SAECache whose chat and agent blocks read their releasing request's turn bucket's gaps (see the module)."""
 
-    def __init__(self, turn_gaps: bool = True, truncation: bool = True, **options: Any):
+    def __init__(self, turn_gaps: bool = True, truncation: bool = True, fisher: bool = True, **options: Any):
         super().__init__(**options)
         self.turn_gaps = bool(turn_gaps)
         self.truncation = bool(truncation)  # each bucket's gaps as truncated_mu estimates them (else their mean)
+        self.fisher = bool(fisher)  # under truncation: each bucket's noise from its Fisher information
         if self.turn_gaps and (not self._density or self._valued or self._empirical or self._shape is not None):
             raise ValueError("the turn_gaps probe needs the hit density, without hit_value, empirical_gaps, "
                              "gap_mixture or gap_select")
@@ -159,7 +168,7 @@ class TurnGaps(SAECachePolicy):
             if self.truncation and done:
                 a = np.array(done)
                 follow = np.log(np.maximum(self._now - a[:, 1], np.exp(a[:, 2])))
-                fits = shrunk_truncated(a[:, 0].astype(np.int64), a[:, 2], follow, mu, sigma)
+                fits = shrunk_truncated(a[:, 0].astype(np.int64), a[:, 2], follow, mu, sigma, self.fisher)
             else:
                 fits = shrunk(stats, mu, sigma)
             for k, (mk, sk) in enumerate(fits):
