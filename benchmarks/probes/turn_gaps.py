@@ -33,7 +33,7 @@ from scipy.special import log_ndtr
 
 from sae_env.block import split_queue_type
 from sae_env.policies.arrivals import AG, CH
-from sae_env.policies.saecache import _SLOT, VALUE_STRIDE, SAECachePolicy
+from sae_env.policies.saecache import GROUP_SLOT, VALUE_STRIDE, SAECachePolicy
 from sae_env.policies.survival import LognormalGaps
 from sae_env.trace import Trace
 
@@ -147,7 +147,7 @@ class TurnGaps(SAECachePolicy):
         super().on_request(trace, i, now)
         self._tg_last[s] = (now, k, self._prompt_queue)
         q, slot = self._inflight[i]
-        self._slot = slot + (k + 1) * (BUCKET_STRIDE // _SLOT)  # released blocks' groups carry the bucket
+        self._slot = slot + (k + 1) * (BUCKET_STRIDE // GROUP_SLOT)  # released blocks' groups carry the bucket
         self._inflight[i] = (q, self._slot)
 
     def params_changed(self) -> None:
@@ -180,7 +180,7 @@ class TurnGaps(SAECachePolicy):
         if c is not None or g < BUCKET_STRIDE:
             return c if c is not None else super()._constants(g)
         flag, kind, c1, c2, coef = super()._constants(g % BUCKET_STRIDE)
-        q, _ = split_queue_type(g % _SLOT)
+        q, _ = split_queue_type(g % GROUP_SLOT)
         gaps = self._tg_gaps.get((q, g // BUCKET_STRIDE - 1))
         if gaps is not None:
             c1 = gaps
