@@ -47,6 +47,18 @@ def turn_bucket(turn: int) -> int:
     return min(max(int(turn), 1).bit_length() - 1, N_BUCKETS - 1)
 
 
+def _pull(m: np.ndarray, grand: float, noise: np.ndarray) -> list[float]:
+    """Each bucket's ``B_k = tau2 / (tau2 + noise_k)``, ``tau2`` the between-bucket variance of the estimates ``m``
+    around ``grand`` by the method of moments."""
+    tau2 = max(0.0, float(np.mean((m - grand) ** 2 - noise)))
+    return [tau2 / (tau2 + e) for e in noise.tolist()]
+
+
+def _mills(z: np.ndarray) -> np.ndarray:
+    """The inverse Mills ratio ``phi(z) / Phi(z)``."""
+    return np.exp(-0.5 * z * z - _HALF_LOG_2PI - log_ndtr(z))
+
+
 def shrunk(stats: np.ndarray, mu: float, sigma: float) -> list[tuple[float, float]]:
     """Each bucket's ``(mu, sigma)``: the queue's ``(mu, sigma)`` moved by its bucket's deviation from the buckets'
     grand mean, shrunk by empirical Bayes (``stats``: per bucket, the count, sum and sum of squares of its log gaps)."""
@@ -60,10 +72,7 @@ def shrunk(stats: np.ndarray, mu: float, sigma: float) -> list[tuple[float, floa
     v = np.maximum(s2[use] / nk - m * m, 1e-12)
     grand = float(s1[use].sum() / nk.sum())
     within = float((nk * v).sum() / nk.sum())  # the pooled variance within a bucket
-    noise = within / nk
-    tau2 = max(0.0, float(np.mean((m - grand) ** 2 - noise)))
-    for k, mk, vk, ek in zip(use.tolist(), m.tolist(), v.tolist(), noise.tolist(), strict=True):
-        b = tau2 / (tau2 + ek)
+    for k, mk, vk, b in zip(use.tolist(), m.tolist(), v.tolist(), _pull(m, grand, within / nk), strict=True):
         out[k] = (mu + b * (mk - grand), math.sqrt(b * vk + (1.0 - b) * sigma * sigma))
     return out
 
@@ -79,8 +88,7 @@ def truncated_mu(lg: np.ndarray, log_t: np.ndarray, sigma: float) -> float:
     for _ in range(60):  # the score falls with mu: bisection
         mid = 0.5 * (lo + hi)
         z = (log_t - mid) / sigma
-        mills = np.exp(-0.5 * z * z - _HALF_LOG_2PI - log_ndtr(z))
-        score = float(np.sum(lg - mid) / s2 + np.sum(mills) / sigma)
+        score = float(np.sum(lg - mid) / s2 + np.sum(_mills(z)) / sigma)
         if score > 0:
             lo = mid
         else:
@@ -106,11 +114,10 @@ def shrunk_truncated(buckets: np.ndarray, lg: np.ndarray, log_t: np.ndarray, mu:
     noise = sigma * sigma / n[use]
     for j, k in enumerate(use.tolist() if fisher else ()):
         z = (log_t[buckets == k] - m[j]) / sigma
-        lam = np.exp(-0.5 * z * z - _HALF_LOG_2PI - log_ndtr(z))
+        lam = _mills(z)
         noise[j] = sigma * sigma / max(float(np.sum(1.0 - lam * (z + lam))), 1e-12)
-    tau2 = max(0.0, float(np.mean((m - grand) ** 2 - noise)))
-    for k, mk, ek in zip(use.tolist(), m.tolist(), noise.tolist(), strict=True):
-        out[k] = (mu + tau2 / (tau2 + ek) * (mk - grand), sigma)
+    for k, mk, b in zip(use.tolist(), m.tolist(), _pull(m, grand, noise), strict=True):
+        out[k] = (mu + b * (mk - grand), sigma)
     return out
 
 
